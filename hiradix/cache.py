@@ -1,0 +1,215 @@
+"""SGLang's prefix-cache contract on top of the tiered radix tree (the ``patches/`` seam).
+
+:class:`HiRadixCache` implements ``BasePrefixCache`` of SGLang 0.5.23
+(``sglang/srt/mem_cache/base_prefix_cache.py``; the legacy ``radix_cache.py`` shows the
+contract) by translating SGLang's objects (``RadixKey``, ``Req``, the device allocator) into
+calls on :class:`hiradix.tree.TieredRadixTree`, which only sees token ids and slot ids.
+SGLang's names (``match_prefix``, ``inc_lock_ref``, ...) stay at this seam.
+
+It is selected with ``--enable-hiradix`` through SGLang's radix-cache backend registry
+(``register_radix_cache_backend("hiradix", create_hiradix_cache)``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    BasePrefixCache,
+    DecLockRefParams,
+    DecLockRefResult,
+    EvictParams,
+    EvictResult,
+    IncLockRefResult,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from hiradix.policy import make_policy
+from hiradix.tree import TieredRadixTree, TreeNode
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+
+    from hiradix.config import HiRadixConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _namespace(key: RadixKey) -> Optional[tuple]:
+    """Tree namespace of a key: LoRA adapter (``extra_key``) and ``cache_salt``."""
+    if key.extra_key is None and key.cache_salt is None:
+        return None
+    return (key.extra_key, key.cache_salt)
+
+
+class HiRadixCache(BasePrefixCache):
+    """Prefix cache whose radix-tree nodes record their tier (HBM, DRAM, NVMe).
+
+    Args:
+        params: SGLang's ``CacheInitParams`` (pools, allocator, ``page_size`` in tokens).
+        config: validated hiradix settings (tier sizes in bytes, policy, write policy).
+
+    Raises:
+        ValueError: unknown policy name in ``config``.
+    """
+
+    def __init__(self, params: CacheInitParams, config: HiRadixConfig):
+        self.disable = False
+        self.config = config
+        self.req_to_token_pool = params.req_to_token_pool
+        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
+        self.page_size = params.page_size
+        dev = getattr(self.token_to_kv_pool_allocator, "device", "cpu")
+        self.device = torch.device(dev) if isinstance(dev, (str, torch.device)) else torch.device("cpu")
+        self.tree = TieredRadixTree(self.page_size, make_policy(config.policy))
+        self._empty_slots = torch.empty((0,), dtype=torch.int64, device=self.device)
+        if params.enable_metrics:
+            self.init_metrics_collector()
+        logger.info(
+            "hiradix: HiRadixCache in use (page_size=%d tokens, policy=%s, write_policy=%s)",
+            self.page_size,
+            config.policy,
+            config.write_policy,
+        )
+
+    # ------------------------------------------------------------ contract
+    @property
+    def root_node(self) -> TreeNode:
+        return self.tree.root
+
+    def is_root(self, node: Any) -> bool:
+        return node is self.tree.root
+
+    def reset(self) -> None:
+        """Forget every node (SGLang's ``flush_cache`` resets the device allocator itself)."""
+        self.tree.reset()
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        """Longest cached prefix of ``params.key``, in tokens (whole pages).
+
+        Splits the node the match ends in and refreshes recency (modifies the tree).
+        ``device_prefix_len`` counts tokens in HBM; their slots lie on the path to
+        ``last_device_node`` and stay valid while that node is locked.
+        """
+        key = params.key.page_aligned(self.page_size)
+        if len(key) == 0:
+            root = self.tree.root
+            return MatchResult(0, root, root, root)
+        m = self.tree.match(key.raw_token_ids(), _namespace(key))
+        return MatchResult(
+            device_prefix_len=m.hbm_len,
+            last_device_node=m.hbm_node,
+            last_host_node=m.hbm_node,
+            best_match_node=m.hbm_node,
+            full_kv_hit_length=m.hbm_len,
+        )
+
+    def touch_prefix(self, key: RadixKey) -> None:
+        key = key.page_aligned(self.page_size)
+        if len(key):
+            self.tree.touch(key.raw_token_ids(), _namespace(key))
+
+    def checkpoint(self, req: Req, *, up_to: int, **kwargs) -> None:
+        """Insert ``req``'s KV up to row position ``up_to`` (whole pages) into the tree.
+
+        Frees the request's duplicate slots of tokens the tree already held in HBM, repoints
+        the request's row onto the tree's slots, moves the request's lock to the new last
+        node and advances ``req.kv.cache_protected_len``.
+        """
+        token_ids = req.full_untruncated_fill_ids[:up_to]
+        key = RadixKey(token_ids, req.extra_key, cache_salt=req.cache_salt).page_aligned(self.page_size)
+        key_len = len(key)
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(token_ids)]
+        slots = row[:key_len].to(dtype=torch.int64, copy=True)
+        protected = req.kv.cache_protected_len
+        dup_len, last = self.tree.insert(
+            key.raw_token_ids(), slots, _namespace(key), inserted_len=req.kv.cache_inserted_len
+        )
+        req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, key_len)
+        if dup_len > protected:
+            self.token_to_kv_pool_allocator.free_segment(row[protected:dup_len], start_pos=protected)
+        tree_slots = self.path_device_indices(last)
+        assert len(tree_slots) == key_len, (len(tree_slots), key_len)
+        if key_len > protected:
+            self.req_to_token_pool.write(
+                (req.kv.req_pool_idx, slice(protected, key_len)), tree_slots[protected:]
+            )
+        req.kv.cache_protected_len = key_len
+        new_lock = self.lock(last)
+        self.unlock(req.lock)
+        req.lock = new_lock
+        req.last_node = last
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        """Free at least ``params.num_tokens`` device slots (if evictable), in policy order."""
+        start = time.perf_counter()
+        freed = self.tree.evict_hbm(params.num_tokens)
+        num_evicted = 0
+        for slots in freed:
+            self.token_to_kv_pool_allocator.free_segment(slots, start_pos=0)
+            num_evicted += len(slots)
+        self.update_eviction_metrics(num_evicted, start)
+        return EvictResult(num_tokens_evicted=num_evicted)
+
+    def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:
+        return IncLockRefResult(delta=self.tree.inc_lock(node))
+
+    def dec_lock_ref(self, node: TreeNode, params: Optional[DecLockRefParams] = None) -> DecLockRefResult:
+        return DecLockRefResult(delta=self.tree.dec_lock(node))
+
+    def path_device_indices(self, node: TreeNode) -> torch.Tensor:
+        """Device slot ids on the path root..``node``. Shape ``(tokens,)``, int64."""
+        slots = self.tree.path_hbm_slots(node)
+        return torch.cat(slots) if slots else self._empty_slots
+
+    # ---------------------------------------------------------- accounting
+    def evictable_size(self) -> int:
+        return self.tree.hbm_evictable_tokens
+
+    def full_evictable_size(self) -> int:
+        return self.tree.hbm_evictable_tokens
+
+    def protected_size(self) -> int:
+        return self.tree.hbm_protected_tokens
+
+    def full_protected_size(self) -> int:
+        return self.tree.hbm_protected_tokens
+
+    def total_size(self) -> int:
+        return self.tree.hbm_evictable_tokens + self.tree.hbm_protected_tokens
+
+    def all_values_flatten(self) -> torch.Tensor:
+        slots = self.tree.all_hbm_slots()
+        return torch.cat(slots) if slots else self._empty_slots
+
+    def supports_prefix_sharing(self) -> bool:
+        return True
+
+    def pretty_print(self) -> None:
+        for node in self.tree.iter_nodes():
+            depth = len(self.tree.path(node))
+            print("  " * depth, node, list(node.tokens[:8]))
+        print(f"#tokens in HBM: {self.total_size()}")
+
+    def check_integrity(self) -> None:
+        """Tree invariants plus the device pool: tree-held slots are not free in the allocator."""
+        self.tree.check_integrity()
+
+
+def create_hiradix_cache(ctx: TreeCacheBuildContext) -> HiRadixCache:
+    """Factory registered with SGLang's radix-cache backend registry under ``hiradix``.
+
+    Raises:
+        RuntimeError: the hiradix config did not reach this process.
+    """
+    from hiradix.plugin import config_from_server_args
+
+    config = config_from_server_args(ctx.server_args)
+    return HiRadixCache(ctx.params, config)
