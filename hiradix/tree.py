@@ -1,9 +1,10 @@
-"""The tiered radix tree: prefix match, insert, split, lock references, eviction, accounting.
+"""The tiered radix tree: prefix match, insert, split, lock references, per-tier eviction.
 
 Pure bookkeeping: no I/O, no CUDA, no threads. Data movement (pools, the I/O worker, copies)
-lives elsewhere; only slot/page ids cross the boundary. The prefix-cache contract it serves
-is SGLang 0.5.23's ``BasePrefixCache`` (``sglang/srt/mem_cache/base_prefix_cache.py``); the
-adapter that speaks that contract is :mod:`hiradix.cache`.
+lives elsewhere; only slot/page ids and operation ids cross the boundary. The prefix-cache
+contract it serves is SGLang 0.5.23's ``BasePrefixCache``
+(``sglang/srt/mem_cache/base_prefix_cache.py``); the adapter that speaks that contract is
+:mod:`hiradix.cache`. Two-phase transfers between tiers are in :mod:`hiradix.transfers`.
 
 Every node records which tiers hold its KV (CachedAttention, USENIX ATC '24, §3):
 
@@ -17,8 +18,9 @@ Invariants (checked by :meth:`TieredRadixTree.check_integrity`):
 * HBM residency is prefix-closed: a node in HBM has its parent in HBM (or is a root child);
 * every non-root node is held by at least one tier (a node no tier holds is deleted);
 * a node's ``lock_ref`` is at least the sum of its children's (locks propagate to the root);
-* locked nodes are in HBM; per tier, evictable + protected == tokens the tree holds there;
-* no slot or page is owned by two nodes.
+* locked nodes are in HBM; HBM evictable + protected == HBM tokens the tree holds;
+* per DRAM/NVMe tier: free + held by nodes + reserved by in-flight transfers == capacity,
+  and no slot or page has two owners.
 """
 
 from __future__ import annotations
@@ -50,11 +52,11 @@ class IntegrityError(AssertionError):
 class TreeNode:
     """One edge of the radix tree with the KV records of its tokens.
 
-    Every field is mutated only by :class:`TieredRadixTree`.
+    Every field is mutated only by :class:`TieredRadixTree` and :mod:`hiradix.transfers`.
     """
 
     id: int  # from the tree's own counter; stable for the node's lifetime
-    parent: Optional[TreeNode]  # None only for the root
+    parent: Optional[TreeNode]  # None for the root and for deleted nodes
     tokens: array  # token ids of this edge, array('q'); len is a multiple of page_size
     namespace: Optional[tuple]  # (extra_key, cache_salt) or None; same along a path
     children: dict = field(default_factory=dict)  # first-page key -> TreeNode
@@ -62,19 +64,28 @@ class TreeNode:
     dram_pages: Optional[list[int]] = None  # one DRAM page id per page, or None
     nvme_slots: Optional[list[int]] = None  # one NVMe slot id per page, or None
     lock_ref: int = 0  # running requests whose prefix passes through here (HBM pin)
+    ops: set = field(default_factory=set)  # ids of in-flight transfers touching this node
+    pinned: list = field(default_factory=lambda: [0, 0, 0])  # per tier: in-flight transfers using that copy
     last_access_s: float = 0.0  # monotonic seconds of the last match/insert touching it
     hit_count: int = 0  # times a request other than the inserter reused it
+    nvme_loaded: bool = False  # DRAM copy came from NVMe and has not been promoted yet
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
 
-    def in_tier(self, tier: Tier) -> bool:
+    @property
+    def alive(self) -> bool:
+        return self.parent is not None
+
+    def ids_in(self, tier: Tier) -> Optional[list]:
+        """Per-page ids of this node's copy in ``tier`` (HBM: first slot of each page)."""
         if tier == Tier.HBM:
-            return self.hbm_slots is not None
-        if tier == Tier.DRAM:
-            return self.dram_pages is not None
-        return self.nvme_slots is not None
+            return None if self.hbm_slots is None else self.hbm_slots
+        return self.dram_pages if tier == Tier.DRAM else self.nvme_slots
+
+    def in_tier(self, tier: Tier) -> bool:
+        return self.ids_in(tier) is not None
 
     def tiers(self) -> list[Tier]:
         return [t for t in Tier if self.in_tier(t)]
@@ -89,16 +100,18 @@ class TreeMatch:
     """Result of :meth:`TieredRadixTree.match`, in tokens.
 
     ``hbm_len`` tokens are in HBM along the path to ``hbm_node``; the following ``dram_len``
-    tokens are in DRAM (loadable to HBM); then ``nvme_len`` tokens only on NVMe (readable into
-    DRAM first). ``last_node`` is the deepest matched node; ``nodes`` the matched path.
+    tokens are in DRAM (loadable to HBM) up to ``dram_node``; then ``nvme_len`` tokens only on
+    NVMe (to be read into DRAM first) up to ``nvme_node``. ``nodes`` is the matched path.
     """
 
     hbm_len: int
     hbm_node: TreeNode
     dram_len: int
+    dram_node: TreeNode
     nvme_len: int
-    last_node: TreeNode
+    nvme_node: TreeNode
     nodes: tuple[TreeNode, ...]
+    last_node: TreeNode  # deepest matched node (may extend past the match in a peek)
 
 
 class TieredRadixTree:
@@ -124,6 +137,8 @@ class TieredRadixTree:
         self.page_size = page_size
         self.policy = policy or LRUPolicy()
         self.clock = clock
+        self.on_delete: Optional[Callable[[TreeNode], None]] = None  # called after a node is deleted
+        self.on_split: Optional[Callable[[TreeNode, TreeNode], None]] = None  # (lower, new upper)
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -135,7 +150,8 @@ class TieredRadixTree:
         self.root.hbm_slots = []
         self.hbm_evictable_tokens = 0  # unlocked tokens the tree holds in HBM
         self.hbm_protected_tokens = 0  # locked tokens the tree holds in HBM
-        self._hbm_leaves: set[TreeNode] = set()  # candidates for HBM eviction
+        self.tier_tokens = [0, 0, 0]  # tokens held per tier
+        self._candidates: list[set[TreeNode]] = [set(), set(), set()]  # eviction candidates per tier
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         """Every non-root node, parents before children."""
@@ -148,6 +164,10 @@ class TieredRadixTree:
     def all_hbm_slots(self) -> list[Any]:
         """HBM slot arrays of every node (to free them before :meth:`reset`)."""
         return [n.hbm_slots for n in self.iter_nodes() if n.hbm_slots is not None]
+
+    def candidates(self, tier: Tier) -> set[TreeNode]:
+        """Nodes whose copy in ``tier`` may be evicted now (read-only view)."""
+        return self._candidates[tier]
 
     # ------------------------------------------------------------------ match
     def match(
@@ -171,7 +191,6 @@ class TieredRadixTree:
         Returns:
             A :class:`TreeMatch`; lengths in tokens, multiples of ``page_size``.
         """
-        now = self.clock() if touch else 0.0
         node, pos, nodes = self.root, 0, []
         limit = len(tokens) - len(tokens) % self.page_size
         while pos < limit:
@@ -189,33 +208,28 @@ class TieredRadixTree:
             pos += child.num_tokens
             node = child
         if touch:
+            now = self.clock()
             for n_ in nodes:
                 n_.last_access_s = now
         return self._summarize(nodes, pos)
 
     def _summarize(self, nodes: list[TreeNode], matched: int) -> TreeMatch:
-        hbm_len = dram_len = nvme_len = 0
-        hbm_node = self.root
-        tokens_seen = 0
-        stage = Tier.HBM
+        lens = [0, 0, 0]
+        ends = [self.root, self.root, self.root]
+        seen, stage = 0, Tier.HBM
         for node in nodes:
-            n = min(node.num_tokens, matched - tokens_seen)
-            tokens_seen += n
-            if stage == Tier.HBM and node.hbm_slots is not None:
-                hbm_len += n
-                hbm_node = node
-                continue
-            if stage <= Tier.DRAM and node.dram_pages is not None:
-                stage = Tier.DRAM
-                dram_len += n
-                continue
-            if node.nvme_slots is not None:
-                stage = Tier.NVME
-                nvme_len += n
-                continue
-            break
+            n = min(node.num_tokens, matched - seen)
+            seen += n
+            tier = next((t for t in Tier if t >= stage and node.in_tier(t)), None)
+            if tier is None:
+                break
+            stage = tier
+            lens[tier] += n
+            ends[tier] = node
+        ends[Tier.DRAM] = ends[Tier.DRAM] if lens[Tier.DRAM] else ends[Tier.HBM]
+        ends[Tier.NVME] = ends[Tier.NVME] if lens[Tier.NVME] else ends[Tier.DRAM]
         last = nodes[-1] if nodes else self.root
-        return TreeMatch(hbm_len, hbm_node, dram_len, nvme_len, last, tuple(nodes))
+        return TreeMatch(lens[0], ends[0], lens[1], ends[1], lens[2], ends[2], tuple(nodes), last)
 
     def touch(self, tokens: Sequence[int], namespace: Optional[tuple] = None) -> None:
         """Refresh recency along the cached path of ``tokens`` without splitting."""
@@ -228,7 +242,7 @@ class TieredRadixTree:
         hbm_slots: Any,
         namespace: Optional[tuple] = None,
         inserted_len: int = 0,
-    ) -> tuple[int, TreeNode]:
+    ) -> tuple[int, TreeNode, list[TreeNode]]:
         """Insert ``tokens`` with their HBM slots; the tree takes ownership of new slots.
 
         Args:
@@ -239,20 +253,20 @@ class TieredRadixTree:
                 counted as hits again).
 
         Returns:
-            ``(dup_len, last_node)``: the first ``dup_len`` tokens were already in HBM, so the
-            caller still owns ``hbm_slots[:dup_len]`` and must free those slots (unless they
-            are the tree's own); the rest now belong to the tree. ``last_node`` ends the path.
+            ``(dup_len, last_node, new_hbm_nodes)``: the first ``dup_len`` tokens were already
+            in HBM, so the caller still owns ``hbm_slots[:dup_len]`` and frees them (unless they
+            are the tree's own); the rest now belong to the tree. ``last_node`` ends the path;
+            ``new_hbm_nodes`` are the nodes that took slots (candidates for a DRAM backup).
         """
         limit = len(tokens) - len(tokens) % self.page_size
         now = self.clock()
-        node, pos, dup_len = self.root, 0, 0
+        node, pos, dup_len, adopted = self.root, 0, 0, []
         while pos < limit:
             key = self._child_key(node, tokens, pos, namespace)
             child = node.children.get(key)
             if child is None:
-                node = self._add_leaf(node, key, tokens, pos, limit, hbm_slots, namespace, now)
-                pos = limit
-                break
+                child = TreeNode(next(self._ids), node, array("q", tokens[pos:limit]), namespace)
+                node.children[key] = child
             n = self._common_len(child.tokens, tokens, pos, limit)
             if n < child.num_tokens:
                 child = self._split(child, n)
@@ -260,35 +274,66 @@ class TieredRadixTree:
             if pos + n > inserted_len:
                 child.hit_count += 1
             if child.hbm_slots is None:
-                self._adopt_hbm(child, hbm_slots[pos : pos + n])
+                self.attach(child, Tier.HBM, hbm_slots[pos : pos + n])
+                adopted.append(child)
             elif pos == dup_len:
                 dup_len += n
             pos += n
             node = child
-        return dup_len, node
+        return dup_len, node, adopted
 
-    def _add_leaf(self, parent, key, tokens, pos, limit, hbm_slots, namespace, now) -> TreeNode:
-        leaf = TreeNode(
-            id=next(self._ids),
-            parent=parent,
-            tokens=array("q", tokens[pos:limit]),
-            namespace=namespace,
-            last_access_s=now,
-        )
-        parent.children[key] = leaf
-        self._adopt_hbm(leaf, hbm_slots[pos:limit])
-        self._refresh(parent)
-        return leaf
-
-    def _adopt_hbm(self, node: TreeNode, slots: Any) -> None:
-        assert node.hbm_slots is None and len(slots) == node.num_tokens
-        node.hbm_slots = slots
-        if node.lock_ref > 0:
-            self.hbm_protected_tokens += node.num_tokens
+    # ------------------------------------------------------- tier records
+    def attach(self, node: TreeNode, tier: Tier, ids: Any) -> None:
+        """Record that ``tier`` now holds ``node``'s KV at ``ids`` (slots or pages)."""
+        assert not node.in_tier(tier), (node, tier)
+        expect = node.num_tokens if tier == Tier.HBM else node.num_tokens // self.page_size
+        assert len(ids) == expect, (node, tier, len(ids))
+        if tier == Tier.HBM:
+            node.hbm_slots = ids
+            if node.lock_ref > 0:
+                self.hbm_protected_tokens += node.num_tokens
+            else:
+                self.hbm_evictable_tokens += node.num_tokens
+        elif tier == Tier.DRAM:
+            node.dram_pages = list(ids)
         else:
-            self.hbm_evictable_tokens += node.num_tokens
-        self._refresh(node)
-        self._refresh(node.parent)
+            node.nvme_slots = list(ids)
+        self.tier_tokens[tier] += node.num_tokens
+        self._refresh_around(node)
+
+    def detach(self, node: TreeNode, tier: Tier) -> Any:
+        """Forget ``node``'s copy in ``tier``; returns its ids for the caller to free.
+
+        A node left with no tier is deleted (it must have no children).
+        """
+        ids = node.ids_in(tier)
+        assert ids is not None, (node, tier)
+        if tier == Tier.HBM:
+            assert node.lock_ref == 0, node
+            node.hbm_slots = None
+            self.hbm_evictable_tokens -= node.num_tokens
+        elif tier == Tier.DRAM:
+            node.dram_pages = None
+            node.nvme_loaded = False
+        else:
+            node.nvme_slots = None
+        self.tier_tokens[tier] -= node.num_tokens
+        if not node.tiers():
+            self._delete(node)
+        else:
+            self._refresh_around(node)
+        return ids
+
+    def _delete(self, node: TreeNode) -> None:
+        assert not node.children and not node.tiers(), node
+        parent = node.parent
+        del parent.children[self._key_in_parent(node)]
+        for cands in self._candidates:
+            cands.discard(node)
+        node.parent = None
+        self._refresh(parent)
+        if self.on_delete is not None:
+            self.on_delete(node)
 
     # ------------------------------------------------------------------ split
     def _split(self, node: TreeNode, n: int) -> TreeNode:
@@ -301,8 +346,11 @@ class TieredRadixTree:
             tokens=node.tokens[:n],
             namespace=node.namespace,
             lock_ref=node.lock_ref,
+            ops=set(node.ops),
+            pinned=list(node.pinned),
             last_access_s=node.last_access_s,
             hit_count=node.hit_count,
+            nvme_loaded=node.nvme_loaded,
         )
         if node.hbm_slots is not None:
             upper.hbm_slots, node.hbm_slots = node.hbm_slots[:n], node.hbm_slots[n:]
@@ -315,6 +363,8 @@ class TieredRadixTree:
         node.parent = upper
         upper.children[self._child_key(upper, node.tokens, 0, node.namespace)] = node
         upper.parent.children[parent_key] = upper
+        if self.on_split is not None:
+            self.on_split(node, upper)
         self._refresh(upper)
         self._refresh(node)
         return upper
@@ -362,66 +412,69 @@ class TieredRadixTree:
         return delta
 
     # ---------------------------------------------------------------- evict
-    def evict_hbm(self, num_tokens: int) -> list[Any]:
-        """Free at least ``num_tokens`` HBM tokens if that many are evictable, in policy order.
+    def victims(self, tier: Tier) -> Iterator[TreeNode]:
+        """Eviction candidates of ``tier`` in policy order, re-checked lazily.
 
-        A victim whose KV is also on a lower tier keeps its node (only the HBM copy goes);
-        otherwise the node is deleted. Locked nodes are never chosen.
+        The caller detaches (or demotes) each yielded node before asking for the next;
+        a parent that becomes a candidate meanwhile is yielded in its turn.
+        """
+        key = self.policy.priority
+        heap = [(key(n, tier), n.id, n) for n in self._candidates[tier]]
+        heapq.heapify(heap)
+        while heap:
+            _, _, node = heapq.heappop(heap)
+            if node not in self._candidates[tier]:
+                continue
+            parent = node.parent
+            yield node
+            if parent is not None and parent in self._candidates[tier]:
+                heapq.heappush(heap, (key(parent, tier), parent.id, parent))
+
+    def evict_hbm(self, num_tokens: int) -> list[Any]:
+        """Drop HBM copies of at least ``num_tokens`` tokens if that many are evictable.
+
+        Victims whose KV is also on a lower tier keep their node; others are deleted.
+        Locked or pinned nodes are never chosen. For demotion on eviction (write-back),
+        drive :meth:`victims` from the caller instead.
 
         Returns:
             The freed HBM slot arrays; the caller returns them to the device allocator.
         """
-        heap = [(self.policy.priority(n, Tier.HBM), n.id, n) for n in self._hbm_leaves]
-        heapq.heapify(heap)
-        freed: list[Any] = []
-        evicted = 0
-        while evicted < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
-            if node not in self._hbm_leaves:
-                continue
-            parent = node.parent
-            freed.append(node.hbm_slots)
+        freed, evicted = [], 0
+        for node in self.victims(Tier.HBM):
+            if evicted >= num_tokens:
+                break
             evicted += node.num_tokens
-            self._drop_hbm(node)
-            if parent is not self.root and parent in self._hbm_leaves:
-                heapq.heappush(heap, (self.policy.priority(parent, Tier.HBM), parent.id, parent))
+            freed.append(self.detach(node, Tier.HBM))
         return freed
 
-    def _drop_hbm(self, node: TreeNode) -> None:
-        assert node.lock_ref == 0
-        node.hbm_slots = None
-        self.hbm_evictable_tokens -= node.num_tokens
-        if not node.tiers():
-            self._delete(node)
-        else:
-            self._refresh(node)
-            self._refresh(node.parent)
-
-    def _delete(self, node: TreeNode) -> None:
-        assert not node.children and not node.tiers(), node
-        parent = node.parent
-        del parent.children[self._key_in_parent(node)]
-        self._hbm_leaves.discard(node)
-        node.parent = None
-        self._refresh(parent)
-
     # ------------------------------------------------------------ candidates
-    def _refresh(self, node: Optional[TreeNode]) -> None:
-        """Recompute whether ``node`` is an HBM eviction candidate."""
-        if node is None or node is self.root:
-            return
-        if self._is_hbm_candidate(node):
-            self._hbm_leaves.add(node)
-        else:
-            self._hbm_leaves.discard(node)
+    def _refresh_around(self, node: TreeNode) -> None:
+        self._refresh(node)
+        self._refresh(node.parent)
 
-    def _is_hbm_candidate(self, node: TreeNode) -> bool:
-        if node.hbm_slots is None or node.lock_ref > 0 or node.parent is None:
+    def _refresh(self, node: Optional[TreeNode]) -> None:
+        """Recompute in which tiers ``node`` is an eviction candidate."""
+        if node is None or node is self.root or not node.alive:
+            return
+        for tier in Tier:
+            if self._is_candidate(node, tier):
+                self._candidates[tier].add(node)
+            else:
+                self._candidates[tier].discard(node)
+
+    def _is_candidate(self, node: TreeNode, tier: Tier) -> bool:
+        if not node.in_tier(tier) or node.pinned[tier] > 0:
             return False
-        if any(c.hbm_slots is not None for c in node.children.values()):
-            return False
+        if tier == Tier.HBM:
+            if node.lock_ref > 0 or any(c.hbm_slots is not None for c in node.children.values()):
+                return False
         # Dropping the last copy of a node with children would orphan them.
-        return bool(node.dram_pages is not None or node.nvme_slots is not None or not node.children)
+        return len(node.tiers()) > 1 or not node.children
+
+    def refresh(self, node: TreeNode) -> None:
+        """Re-evaluate ``node`` after a pin change (used by :mod:`hiradix.transfers`)."""
+        self._refresh(node)
 
     # ---------------------------------------------------------------- paths
     def path(self, node: TreeNode) -> list[TreeNode]:
@@ -459,42 +512,52 @@ class TieredRadixTree:
     def _common_len(self, edge: array, tokens, pos: int, limit: int) -> int:
         """Tokens (whole pages) shared by ``edge`` and ``tokens[pos:limit]``."""
         n = min(len(edge), limit - pos)
-        if edge[:n] == array("q", tokens[pos : pos + n]):
+        other = array("q", tokens[pos : pos + n])
+        if edge[:n] == other:
             return n
         ps = self.page_size
-        lo, hi = 0, n // ps  # pages: lo known equal, hi known to differ or end
+        lo, hi = 0, n // ps  # in pages: [0, lo) known equal; page hi-1 or earlier differs
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if edge[lo * ps : mid * ps] == array("q", tokens[pos + lo * ps : pos + mid * ps]):
+            if edge[lo * ps : mid * ps] == other[lo * ps : mid * ps]:
                 lo = mid
             else:
                 hi = mid
-        if lo < n // ps and edge[lo * ps : (lo + 1) * ps] == array("q", tokens[pos + lo * ps : pos + (lo + 1) * ps]):
+        if lo < n // ps and edge[lo * ps : (lo + 1) * ps] == other[lo * ps : (lo + 1) * ps]:
             lo += 1
         return lo * ps
 
     # ------------------------------------------------------------- integrity
     def check_integrity(self) -> None:
-        """Verify every invariant listed in the module docstring.
+        """Verify the structural and HBM invariants in the module docstring.
+
+        DRAM/NVMe page ownership against their allocators is checked by
+        :meth:`hiradix.transfers.TierBooks.check_integrity`.
 
         Raises:
             IntegrityError: naming the first broken invariant.
         """
         evictable = protected = 0
+        tier_tokens = [0, 0, 0]
         seen_slots: set[int] = set()
-        leaves: set[TreeNode] = set()
+        cands: list[set] = [set(), set(), set()]
         for node in self.iter_nodes():
             self._check_node(node, seen_slots)
+            for tier in node.tiers():
+                tier_tokens[tier] += node.num_tokens
+                if self._is_candidate(node, tier):
+                    cands[tier].add(node)
             if node.hbm_slots is not None:
                 if node.lock_ref > 0:
                     protected += node.num_tokens
                 else:
                     evictable += node.num_tokens
-            if self._is_hbm_candidate(node):
-                leaves.add(node)
         _require(evictable == self.hbm_evictable_tokens, f"HBM evictable {self.hbm_evictable_tokens} != recount {evictable}")
         _require(protected == self.hbm_protected_tokens, f"HBM protected {self.hbm_protected_tokens} != recount {protected}")
-        _require(leaves == self._hbm_leaves, f"HBM candidate set differs: extra={self._hbm_leaves - leaves} missing={leaves - self._hbm_leaves}")
+        _require(tier_tokens == self.tier_tokens, f"tier tokens {self.tier_tokens} != recount {tier_tokens}")
+        for tier in Tier:
+            extra, missing = self._candidates[tier] - cands[tier], cands[tier] - self._candidates[tier]
+            _require(not extra and not missing, f"{tier.name} candidates differ: extra={extra} missing={missing}")
 
     def _check_node(self, node: TreeNode, seen_slots: set[int]) -> None:
         ps, parent = self.page_size, node.parent
@@ -509,7 +572,7 @@ class TieredRadixTree:
         if node.hbm_slots is not None:
             _require(parent is self.root or parent.hbm_slots is not None, f"{node} in HBM but parent {parent} is not")
             _require(len(node.hbm_slots) == node.num_tokens, f"{node} has {len(node.hbm_slots)} HBM slots")
-            slots = [int(s) for s in node.hbm_slots]
+            slots = node.hbm_slots.tolist() if hasattr(node.hbm_slots, "tolist") else list(node.hbm_slots)
             before = len(seen_slots)
             seen_slots.update(slots)
             _require(len(seen_slots) - before == len(slots), f"{node} shares an HBM slot with another node")

@@ -55,7 +55,7 @@ def peek_hbm_len(tree: TieredRadixTree, tokens, namespace=None) -> int:
 def insert(tree: TieredRadixTree, pool: SlotPool, tokens, namespace=None):
     """Insert like SGLang's checkpoint: allocate slots, give duplicates back."""
     slots = pool.alloc(len(tokens) - len(tokens) % tree.page_size)
-    dup_len, node = tree.insert(tokens, slots, namespace)
+    dup_len, node, _ = tree.insert(tokens, slots, namespace)
     pool.release(slots[:dup_len])
     return dup_len, node
 
@@ -205,7 +205,7 @@ def test_insert_lower_tier_node_adopts_hbm_slots():
     """A node that lost its HBM copy (kept on DRAM) takes the recomputed slots on insert."""
     tree, pool = make_tree(), SlotPool(64)
     _, node = insert(tree, pool, [1, 2, 3, 4])
-    node.dram_pages = [100, 101, 102, 103]  # as if demoted (bookkeeping only)
+    tree.attach(node, Tier.DRAM, [100, 101, 102, 103])  # as if demoted (bookkeeping only)
     freed = tree.evict_hbm(4)
     pool.release(s for part in freed for s in part)
     check(tree, pool)
