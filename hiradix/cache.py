@@ -24,13 +24,15 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     EvictResult,
     IncLockRefResult,
+    InitLoadBackParams,
     MatchPrefixParams,
     MatchResult,
 )
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from hiradix.policy import make_policy
-from hiradix.tree import TieredRadixTree, TreeNode
+from hiradix.lookahead import QueueView, plan
+from hiradix.policy import LookaheadPolicy, make_policy
+from hiradix.tree import TieredRadixTree, Tier, TreeMatch, TreeNode
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -60,7 +62,7 @@ class HiRadixCache(BasePrefixCache):
         ValueError: unknown policy name in ``config``.
     """
 
-    def __init__(self, params: CacheInitParams, config: HiRadixConfig):
+    def __init__(self, params: CacheInitParams, config: HiRadixConfig, kv_pool: Any = None, tp_rank: int = 0):
         self.disable = False
         self.config = config
         self.req_to_token_pool = params.req_to_token_pool
@@ -70,6 +72,12 @@ class HiRadixCache(BasePrefixCache):
         self.device = torch.device(dev) if isinstance(dev, (str, torch.device)) else torch.device("cpu")
         self.tree = TieredRadixTree(self.page_size, make_policy(config.policy))
         self._empty_slots = torch.empty((0,), dtype=torch.int64, device=self.device)
+        self.tiers = None
+        self.last_view: Optional[QueueView] = None
+        if kv_pool is not None:
+            from hiradix.tiering import TierController
+
+            self.tiers = TierController(self.tree, config, kv_pool, self.page_size, tp_rank)
         if params.enable_metrics:
             self.init_metrics_collector()
         logger.info(
@@ -89,27 +97,134 @@ class HiRadixCache(BasePrefixCache):
 
     def reset(self) -> None:
         """Forget every node (SGLang's ``flush_cache`` resets the device allocator itself)."""
+        if self.tiers is not None:
+            self.tiers.reset()
         self.tree.reset()
 
+    def release_host_resources(self) -> None:
+        """Stop the I/O worker and remove the shared-memory files (graceful shutdown)."""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
+
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
-        """Longest cached prefix of ``params.key``, in tokens (whole pages).
+        """Longest cached prefix of ``params.key``, in tokens (whole pages), across tiers.
 
         Splits the node the match ends in and refreshes recency (modifies the tree).
-        ``device_prefix_len`` counts tokens in HBM; their slots lie on the path to
-        ``last_device_node`` and stay valid while that node is locked.
+        ``device_prefix_len`` counts tokens in HBM (their slots lie on the path to
+        ``last_device_node``, valid while it is locked); ``host_hit_length`` counts the
+        following tokens in DRAM, loadable by :meth:`init_load_back` up to
+        ``best_match_node``. Tokens only on NVMe start a read into DRAM (prefetch); the
+        request waits for it at admission (:meth:`should_wait`) up to the load timeout.
         """
         key = params.key.page_aligned(self.page_size)
         if len(key) == 0:
             root = self.tree.root
             return MatchResult(0, root, root, root)
         m = self.tree.match(key.raw_token_ids(), _namespace(key))
+        if m.nvme_len and self.tiers is not None:
+            self.tiers.prefetch(self._stage_nodes(m, Tier.NVME), self.config.load_timeout_s)
         return MatchResult(
             device_prefix_len=m.hbm_len,
             last_device_node=m.hbm_node,
             last_host_node=m.hbm_node,
-            best_match_node=m.hbm_node,
-            full_kv_hit_length=m.hbm_len,
+            best_match_node=m.dram_node,
+            host_hit_length=m.dram_len,
+            full_kv_hit_length=m.hbm_len + m.dram_len,
         )
+
+    @staticmethod
+    def _stage_nodes(m: TreeMatch, tier: Tier) -> list[TreeNode]:
+        """Matched nodes served from ``tier`` (HBM first, then DRAM, then NVMe)."""
+        bounds = {Tier.HBM: (0, m.hbm_len), Tier.DRAM: (m.hbm_len, m.hbm_len + m.dram_len)}
+        bounds[Tier.NVME] = (bounds[Tier.DRAM][1], bounds[Tier.DRAM][1] + m.nvme_len)
+        lo, hi = bounds[tier]
+        out, pos = [], 0
+        for node in m.nodes:
+            if lo <= pos < hi:
+                out.append(node)
+            pos += node.num_tokens
+        return out
+
+    def should_wait(self, req: Req) -> bool:
+        """Whether admission should skip ``req`` for now: NVMe reads for its prefix are in
+        flight and within ``load_timeout_s`` (afterwards it runs with what is ready)."""
+        if self.tiers is None or not self.tiers.books.in_flight():
+            return False
+        tokens = (req.origin_input_ids + req.output_ids)
+        key = RadixKey(tokens, req.extra_key, cache_salt=req.cache_salt).page_aligned(self.page_size)
+        m = self.tree.match(key.raw_token_ids(), _namespace(key), split=False, touch=False)
+        return m.nvme_len > 0 and self.tiers.prefetch_pending(self._stage_nodes(m, Tier.NVME))
+
+    def init_load_back(self, params: InitLoadBackParams) -> Optional[tuple[int, Any]]:
+        """Promote the DRAM part of a match into new HBM slots (layer by layer, all or none).
+
+        Returns:
+            ``(loaded_tokens, new_last_node)``; ``(0, req.last_node)`` when the path changed
+            since the match or device memory cannot be found (the request recomputes).
+        """
+        req = params.req
+        start, end = req.last_node, params.best_match_node
+        if self.tiers is None or params.host_hit_length <= 0 or end is start:
+            return 0, start
+        path = self.tree.path(end)
+        nodes = path[len(self.tree.path(start)) :] if end.alive else []
+        ok = bool(nodes) and nodes[0].parent is start and all(n.in_tier(Tier.DRAM) and not n.in_tier(Tier.HBM) for n in nodes)
+        num_tokens = sum(n.num_tokens for n in nodes)
+        if not ok or num_tokens != params.host_hit_length:
+            return 0, start
+        self.tiers.books.hold(nodes, Tier.DRAM)  # eviction for the slots must not drop them
+        try:
+            slots = self._alloc_device(num_tokens)
+        finally:
+            self.tiers.books.release(nodes, Tier.DRAM)
+        if slots is None:
+            return 0, start
+        from_nvme = self.tiers.load_back(nodes, slots)
+        req.storage_hit_length = from_nvme
+        req.storage_hit_start = None
+        return num_tokens, end
+
+    def _alloc_device(self, num_tokens: int) -> Optional[torch.Tensor]:
+        allocator = self.token_to_kv_pool_allocator
+        short = num_tokens - allocator.available_size()
+        if short > 0:
+            self.evict(EvictParams(num_tokens=short))
+        return allocator.alloc(num_tokens)
+
+    def ready_to_load_host_cache(self) -> int:
+        """Start the promotions queued while building this batch; returns its consumer index."""
+        return -1 if self.tiers is None else self.tiers.start_loading()
+
+    def check_hicache_events(self) -> None:
+        """Per scheduler step: reap finished copies and worker acks, keep DRAM headroom."""
+        if self.tiers is not None:
+            self.tiers.step()
+
+    def observe_queue(self, waiting_queue: list) -> Optional[QueueView]:
+        """Look-ahead over the first W waiting requests (``lookahead`` policy only).
+
+        Refreshes the policy's view of which nodes queued requests need (soft protection)
+        and starts NVMe -> DRAM reads for the requests inside the prefetch window.
+        """
+        if not isinstance(self.tree.policy, LookaheadPolicy):
+            return None
+        keys = []
+        for req in waiting_queue[: self.config.lookahead_window]:
+            key = RadixKey(req.origin_input_ids + req.output_ids, req.extra_key, cache_salt=req.cache_salt)
+            key = key.page_aligned(self.page_size)
+            keys.append((key.raw_token_ids(), _namespace(key)))
+        free_bytes, per_token = 0, 0
+        if self.tiers is not None:
+            free_bytes = self.tiers.reclaimable_dram_pages() * self.tiers.layout.page_bytes
+            per_token = self.tiers.layout.page_bytes // self.page_size
+        view = plan(self.tree, keys, self.config.lookahead_window, free_bytes, max(per_token, 1))
+        self.tree.policy.update(view.needed_at)
+        if self.tiers is not None:
+            for nodes in view.prefetch:
+                self.tiers.prefetch(nodes, self.config.load_timeout_s)
+        self.last_view = view
+        return view
 
     def touch_prefix(self, key: RadixKey) -> None:
         key = key.page_aligned(self.page_size)
@@ -129,7 +244,7 @@ class HiRadixCache(BasePrefixCache):
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(token_ids)]
         slots = row[:key_len].to(dtype=torch.int64, copy=True)
         protected = req.kv.cache_protected_len
-        dup_len, last = self.tree.insert(
+        dup_len, last, new_nodes = self.tree.insert(
             key.raw_token_ids(), slots, _namespace(key), inserted_len=req.kv.cache_inserted_len
         )
         req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, key_len)
@@ -142,6 +257,8 @@ class HiRadixCache(BasePrefixCache):
                 (req.kv.req_pool_idx, slice(protected, key_len)), tree_slots[protected:]
             )
         req.kv.cache_protected_len = key_len
+        if self.tiers is not None:
+            self.tiers.after_insert(new_nodes)
         new_lock = self.lock(last)
         self.unlock(req.lock)
         req.lock = new_lock
@@ -150,7 +267,10 @@ class HiRadixCache(BasePrefixCache):
     def evict(self, params: EvictParams) -> EvictResult:
         """Free at least ``params.num_tokens`` device slots (if evictable), in policy order."""
         start = time.perf_counter()
-        freed = self.tree.evict_hbm(params.num_tokens)
+        if self.tiers is not None:
+            freed = self.tiers.evict_hbm(params.num_tokens)
+        else:
+            freed = self.tree.evict_hbm(params.num_tokens)
         num_evicted = 0
         for slots in freed:
             self.token_to_kv_pool_allocator.free_segment(slots, start_pos=0)
@@ -199,8 +319,15 @@ class HiRadixCache(BasePrefixCache):
         print(f"#tokens in HBM: {self.total_size()}")
 
     def check_integrity(self) -> None:
-        """Tree invariants plus the device pool: tree-held slots are not free in the allocator."""
-        self.tree.check_integrity()
+        """Tree invariants, plus DRAM/NVMe page ownership when the lower tiers are on.
+
+        Raises:
+            hiradix.tree.IntegrityError: naming the broken invariant.
+        """
+        if self.tiers is not None:
+            self.tiers.books.check_integrity()
+        else:
+            self.tree.check_integrity()
 
 
 def create_hiradix_cache(ctx: TreeCacheBuildContext) -> HiRadixCache:
@@ -212,4 +339,9 @@ def create_hiradix_cache(ctx: TreeCacheBuildContext) -> HiRadixCache:
     from hiradix.plugin import config_from_server_args
 
     config = config_from_server_args(ctx.server_args)
-    return HiRadixCache(ctx.params, config)
+    kv_pool = ctx.tp_worker.model_runner.token_to_kv_pool
+    cache = HiRadixCache(ctx.params, config, kv_pool=kv_pool, tp_rank=ctx.tp_rank)
+    if cache.tiers is not None:
+        kv_pool.register_layer_transfer_counter(cache.tiers.loader)
+        ctx.tp_worker.register_hicache_layer_transfer_counter(cache.tiers.loader)
+    return cache

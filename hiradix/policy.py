@@ -36,7 +36,36 @@ class LRUPolicy:
         return (node.last_access_s, node.id)
 
 
-_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy}
+class LookaheadPolicy:
+    """Queue-aware order (CachedAttention §3.3): the scheduler's waiting queue decides.
+
+    Nodes no queued request needs go first, least recently used first; nodes needed by a
+    request inside the look-ahead window go last, and among them the one needed latest (the
+    largest queue position) goes first. Protection is only a priority: when the allocator
+    needs memory, needed nodes are still evicted (or demoted) after all the others.
+
+    ``needed_at`` maps node id -> earliest queue position (0 = next to run) of a request in
+    the window that needs the node; the scheduler hook replaces it every step
+    (:meth:`update`).
+    """
+
+    name = "lookahead"
+
+    def __init__(self) -> None:
+        self.needed_at: dict[int, int] = {}
+
+    def update(self, needed_at: dict[int, int]) -> None:
+        """Replace the look-ahead view (node id -> earliest queue position)."""
+        self.needed_at = needed_at
+
+    def priority(self, node: TreeNode, tier: Tier) -> tuple:
+        pos = self.needed_at.get(node.id)
+        if pos is None:
+            return (0, 0, node.last_access_s, node.id)
+        return (1, -pos, node.last_access_s, node.id)
+
+
+_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy, "lookahead": LookaheadPolicy}
 
 
 def register_policy(name: str, factory: Callable[[], EvictionPolicy]) -> None:

@@ -269,6 +269,19 @@ class TierBooks:
                 used = [i for i in range(pool.capacity) if pool.is_used(i) and i not in quarantined[tier]]
                 pool.free(used)
 
+    def hold(self, nodes: Iterable[TreeNode], tier: Tier) -> None:
+        """Pin ``nodes``' copies in ``tier`` for a moment (nothing may evict them)."""
+        for node in nodes:
+            node.pinned[tier] += 1
+            self.tree.refresh(node)
+
+    def release(self, nodes: Iterable[TreeNode], tier: Tier) -> None:
+        """Undo :meth:`hold`."""
+        for node in nodes:
+            node.pinned[tier] -= 1
+            if node.alive:
+                self.tree.refresh(node)
+
     def in_flight(self, kind: Optional[Kind] = None) -> list[Transfer]:
         return [op for op in self.ops.values() if kind is None or op.kind == kind]
 

@@ -1,0 +1,258 @@
+"""Glue between the bookkeeping (tree + books) and the data movers (host mover, I/O worker).
+
+:class:`TierController` lives in the scheduler process, next to :class:`hiradix.cache.HiRadixCache`.
+It decides *when* to back up, demote, prefetch and promote (CachedAttention §3.2-3.3), asks
+:class:`hiradix.transfers.TierBooks` to prepare each transfer, hands the prepared transfer to
+the mover that carries it out, and completes it by id when the mover reports. It never blocks
+on disk: NVMe I/O happens in the I/O worker process.
+
+Per scheduler step (:meth:`step`, from SGLang's per-step cache-event hook) it reaps finished
+copies and worker acks, checks the worker's liveness (a dead worker's jobs become misses; it is
+respawned; after repeated deaths the NVMe tier is switched off with one warning), and demotes
+DRAM-only nodes to NVMe while DRAM is short of free pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hiradix.io.client import IOWorkerClient
+from hiradix.io.protocol import LoadPages, StorePages, WorkerSpec
+from hiradix.layerwise import LayerwiseLoader
+from hiradix.layout import KVLayout
+from hiradix.movers import HostMover
+from hiradix.tiers.dram import DramPool, default_shm_dir, num_pages_for_bytes
+from hiradix.tiers.nvme import NvmeStore, slot_bytes_for
+from hiradix.transfers import Kind, TierBooks
+from hiradix.tree import TieredRadixTree, Tier, TreeNode
+
+logger = logging.getLogger(__name__)
+
+# Demotion starts when free DRAM pages fall below LOW and stops above HIGH (fractions).
+DRAM_FREE_LOW = 0.10
+DRAM_FREE_HIGH = 0.20
+MAX_DEMOTIONS_IN_FLIGHT = 64  # worker jobs, each one node
+
+
+@dataclass
+class TierStats:
+    """Counters since start; units in names. Exported by :mod:`hiradix.metrics`."""
+
+    bytes_moved: dict[str, int] = field(default_factory=lambda: {k.name: 0 for k in Kind})
+    transfers_failed: dict[str, int] = field(default_factory=lambda: {k.name: 0 for k in Kind})
+    load_back_s: float = 0.0
+
+
+class TierController:
+    """Runs the DRAM and NVMe tiers of one tree (one TP rank).
+
+    Args:
+        tree: the tree whose nodes move.
+        config: hiradix settings (``dram_bytes``, ``nvme_path``, ``nvme_bytes``, ``write_policy``).
+        kv_pool: SGLang's device ``MHATokenToKVPool`` of this rank.
+        page_size: tokens per page.
+        tp_rank: this rank (names the private directories).
+        io_backend: NVMe backend for the worker ("auto", "posix", "kvikio").
+
+    Raises:
+        OSError, PermissionError: a tier's files cannot be created.
+        hiradix.io.client.WorkerStartError: the I/O worker did not start.
+    """
+
+    def __init__(self, tree: TieredRadixTree, config: Any, kv_pool: Any, page_size: int, tp_rank: int = 0, io_backend: str = "auto"):
+        self.tree = tree
+        self.config = config
+        self.layout = KVLayout.from_device_pool(kv_pool, page_size)
+        self.write_through = config.write_policy == "write_through"
+        self.stats = TierStats()
+        self._shm_dir = Path(f"{default_shm_dir()}-rank{tp_rank}")
+        dram_pages = num_pages_for_bytes(config.dram_bytes, self.layout)
+        self.dram = DramPool.create(self.layout, dram_pages, self._shm_dir)
+        self.store: Optional[NvmeStore] = None
+        self.client: Optional[IOWorkerClient] = None
+        nvme_slots = 0
+        if config.nvme_bytes > 0:
+            nvme_slots = config.nvme_bytes // slot_bytes_for(self.layout.page_bytes)
+            self._start_nvme(nvme_slots, tp_rank, io_backend)
+        self.books = TierBooks(tree, dram_pages, nvme_slots)
+        device = kv_pool.k_buffer[0].device
+        self.loader = LayerwiseLoader(self.layout.num_layers, device)
+        self.mover = HostMover(kv_pool, self.dram, self.loader)
+        self._prefetch_deadline_s: dict[int, float] = {}  # PREFETCH op id -> give-up time
+        logger.info(
+            "hiradix tiers: DRAM %d pages (%d B each) at %s; NVMe %d slots%s",
+            dram_pages, self.layout.page_bytes, self.dram.path, nvme_slots,
+            f" at {self.store.path}" if self.store else "",
+        )
+
+    def _start_nvme(self, nvme_slots: int, tp_rank: int, io_backend: str) -> None:
+        nvme_dir = Path(self.config.nvme_path) / f"hiradix-rank{tp_rank}"
+        self.store = NvmeStore.create(nvme_dir, self.layout.page_bytes, nvme_slots, backend=io_backend)
+        backend = self.store.backend
+        self.store.close()  # the worker owns NVMe I/O; this process only created the file
+        spec = WorkerSpec(
+            dram_path=str(self.dram.path),
+            layout=self.layout.to_json(),
+            num_dram_pages=self.dram.num_pages,
+            nvme_dir=str(nvme_dir),
+            num_nvme_slots=nvme_slots,
+            page_bytes=self.layout.page_bytes,
+            io_backend=backend,
+            socket_dir=str(self._shm_dir / "sock"),
+            parent_pid=os.getpid(),
+        )
+        self.client = IOWorkerClient(spec)
+        self.client.start()
+
+    # ------------------------------------------------------------ backups
+    def after_insert(self, new_nodes: list[TreeNode]) -> None:
+        """Write-through: start DRAM backups of nodes that just took HBM slots."""
+        if not self.write_through:
+            return
+        nodes = [n for n in new_nodes if n.alive and not n.in_tier(Tier.DRAM) and n.in_tier(Tier.HBM)]
+        if nodes:
+            op = self.books.prepare(Kind.BACKUP, nodes, )
+            if op is not None:
+                self.mover.backup(op)
+
+    # ------------------------------------------------------------ HBM eviction
+    def evict_hbm(self, num_tokens: int) -> list[Any]:
+        """Free at least ``num_tokens`` HBM tokens, demoting last copies to DRAM first.
+
+        Returns:
+            Freed device slot arrays for SGLang's allocator.
+        """
+        self._reap(self.mover.flush())  # pending copies pin HBM slots; land them first
+        freed, evicted = [], 0
+        for node in self.tree.victims(Tier.HBM):
+            if evicted >= num_tokens:
+                break
+            if len(node.tiers()) == 1:
+                self._backup_now(node)
+            evicted += node.num_tokens
+            freed.append(self.tree.detach(node, Tier.HBM))
+        return freed
+
+    def _backup_now(self, node: TreeNode) -> None:
+        """Write-back: copy a last HBM copy to DRAM synchronously (dropped if DRAM is full)."""
+        op = self.books.prepare(Kind.BACKUP, [node])
+        if op is None:
+            self.books.dropped_tokens[Tier.HBM] += node.num_tokens
+            return
+        self.mover.backup(op)
+        self._reap(self.mover.flush())
+
+    # ------------------------------------------------------------ load back
+    def load_back(self, nodes: list[TreeNode], hbm_slots: Any) -> int:
+        """Promote DRAM nodes into the given new HBM slots, layer by layer.
+
+        Returns:
+            Tokens whose DRAM copy had been read from NVMe (for the per-tier hit details).
+        """
+        from_nvme = sum(n.num_tokens for n in nodes if n.nvme_loaded)
+        op = self.books.prepare(Kind.PROMOTE, nodes, hbm_slots=hbm_slots)
+        self.mover.promote(op)
+        self.stats.bytes_moved[Kind.PROMOTE.name] += len(op.src_ids) * self.layout.page_bytes
+        return from_nvme
+
+    def start_loading(self) -> int:
+        """Start the promotions queued for the batch being built; returns its consumer index."""
+        return self.loader.start()
+
+    # ------------------------------------------------------------ prefetch
+    def prefetch(self, nodes: list[TreeNode], timeout_s: float) -> bool:
+        """Start NVMe -> DRAM reads of NVMe-only ``nodes`` (a matched path's tail).
+
+        Returns:
+            True if a read is in flight for these nodes (started now or earlier).
+        """
+        if self.client is None or not self.books.nvme_enabled:
+            return False
+        todo = [n for n in nodes if n.alive and not n.in_tier(Tier.DRAM) and n.pinned[Tier.NVME] == 0]
+        busy = any(n.pinned[Tier.NVME] > 0 for n in nodes)
+        if not todo:
+            return busy
+        op = self.books.prepare(Kind.PREFETCH, todo)
+        if op is None:
+            return busy
+        self.client.submit(LoadPages(op.op_id, op.src_ids, op.dst_ids))
+        self._prefetch_deadline_s[op.op_id] = time.monotonic() + timeout_s
+        return True
+
+    def prefetch_pending(self, nodes: list[TreeNode]) -> bool:
+        """Whether a read for one of ``nodes`` is still in flight and within its timeout."""
+        now = time.monotonic()
+        for node in nodes:
+            for op_id in node.ops:
+                if op_id in self._prefetch_deadline_s and self._prefetch_deadline_s[op_id] > now:
+                    return True
+        return False
+
+    def reclaimable_dram_pages(self) -> int:
+        """Free DRAM pages plus pages of redundant copies (evictable without loss)."""
+        redundant = sum(len(n.dram_pages) for n in self.tree.candidates(Tier.DRAM) if len(n.tiers()) > 1)
+        return self.books.dram.num_free + redundant
+
+    # ------------------------------------------------------------ per step
+    def step(self) -> None:
+        """Reap finished copies and worker acks; keep DRAM headroom by demoting to NVMe."""
+        self._reap(self.mover.finished())
+        if self.client is not None:
+            alive = self.client.check_alive()
+            for done in self.client.poll():
+                op = self.books.complete(done.job_id, done.ok)
+                self._prefetch_deadline_s.pop(done.job_id, None)
+                if op is not None and not all(done.ok):
+                    self.stats.transfers_failed[op.kind.name] += 1
+                elif op is not None:
+                    self.stats.bytes_moved[op.kind.name] += len(op.src_ids) * self.layout.page_bytes
+            if not alive and self.client.disabled and self.books.nvme_enabled:
+                logger.warning("hiradix: the I/O worker keeps dying; NVMe tier switched off, serving from HBM and DRAM")
+                self.books.nvme_enabled = False
+            self._demote_under_pressure()
+
+    def _reap(self, op_ids: list[int]) -> None:
+        for op_id in op_ids:
+            op = self.books.complete(op_id, True)
+            if op is not None and op.kind == Kind.BACKUP:
+                self.stats.bytes_moved[Kind.BACKUP.name] += len(op.src_ids) * self.layout.page_bytes
+
+    def _demote_under_pressure(self) -> None:
+        dram = self.books.dram
+        if not self.books.nvme_enabled or dram.num_free >= DRAM_FREE_LOW * dram.capacity:
+            return
+        want = int(DRAM_FREE_HIGH * dram.capacity) - dram.num_free
+        in_flight = len(self.books.in_flight(Kind.DEMOTE))
+        for node in self.tree.victims(Tier.DRAM):
+            if want <= 0 or in_flight >= MAX_DEMOTIONS_IN_FLIGHT:
+                break
+            if node.tiers() != [Tier.DRAM]:
+                continue  # redundant copies are simply dropped when room is needed
+            op = self.books.prepare(Kind.DEMOTE, [node])
+            if op is None:
+                break
+            self.client.submit(StorePages(op.op_id, op.src_ids, op.dst_ids))
+            want -= len(op.src_ids)
+            in_flight += 1
+
+    # ------------------------------------------------------------ lifecycle
+    def reset(self) -> None:
+        """Forget every lower-tier copy (SGLang's ``flush_cache``)."""
+        self._reap(self.mover.flush())
+        self.mover.drop_pending()
+        self.books.reset()
+        self._prefetch_deadline_s.clear()
+
+    def close(self) -> None:
+        """Stop the worker and remove this rank's shared-memory files."""
+        if self.client is not None:
+            self.client.close()
+        self.dram.close()
+        self.dram.unlink()
+        shutil.rmtree(self._shm_dir, ignore_errors=True)
