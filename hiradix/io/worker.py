@@ -1,0 +1,298 @@
+"""The NVMe I/O worker: a process per TP rank that moves pages between the DRAM and NVMe tiers.
+
+Run by :class:`hiradix.io.client.IOWorkerClient` as::
+
+    python -m hiradix.io.worker --spec '<WorkerSpec JSON>' --jobs ipc://... --acks ipc://...
+
+It attaches the DRAM pool (shared-memory file) and the NVMe store, binds the jobs socket,
+answers ``Ready`` and then serves ``StorePages``/``LoadPages`` on a thread pool of
+``spec.threads`` so reads and writes overlap, one ``JobDone`` per job. It validates every
+message: a malformed one is answered with ``Rejected`` and the loop goes on. It exits on
+``Shutdown`` (running jobs finish; queued ones fail) or when ``spec.parent_pid`` is no longer
+its parent (checked every ``PARENT_POLL_S``); SIGINT is ignored (the parent decides).
+
+Fault switch (tests only; off unless the env var is set), ``HIRADIX_FAULTS`` holds
+comma-separated ``key=value`` items, parsed once at start by :meth:`Faults.from_env`:
+
+    crash_on_job=N    os._exit(FAULT_EXIT_CODE) when the N-th job (1-based, arrival order)
+                      arrives, before it runs
+    crash_mid_job=N   the N-th job moves the first half of its pages, then os._exit
+    delay_s=X         every job waits X seconds before touching the disk (a slow disk);
+                      Shutdown cuts the wait short and the job fails
+
+An unknown key or a bad value makes the worker answer ``StartFailed`` and exit 1.
+``HIRADIX_LOG_LEVEL`` (e.g. ``DEBUG``) sets the worker's logging level; WARNING by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+from hiradix.io.protocol import (
+    Job,
+    JobDone,
+    LoadPages,
+    Ping,
+    Pong,
+    ProtocolError,
+    PullQueue,
+    PushQueue,
+    Ready,
+    Rejected,
+    Shutdown,
+    StartFailed,
+    StorePages,
+    WorkerReply,
+    WorkerSpec,
+    decode_request,
+    job_pages,
+    validate_job,
+)
+from hiradix.layout import KVLayout
+from hiradix.tiers.dram import DramPool, ensure_private_dir
+from hiradix.tiers.nvme import NVME_FILE_NAME, NvmeStore
+
+logger = logging.getLogger(__name__)
+
+FAULTS_ENV = "HIRADIX_FAULTS"
+LOG_LEVEL_ENV = "HIRADIX_LOG_LEVEL"  # the worker's logging level name, WARNING by default
+FAULT_EXIT_CODE = 86  # exit status of a crash injected by the fault switch
+PARENT_POLL_S = 0.2  # how often the loop checks that the parent is alive, in seconds
+ACK_LINGER_S = 2.0  # how long queued replies may take to leave at exit, in seconds
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Injected faults, for tests (see the module docstring). All off by default.
+
+    Attributes:
+        crash_on_job: Exit when this job (1-based arrival ordinal) arrives; 0 = never.
+        crash_mid_job: Exit halfway through this job; 0 = never.
+        delay_s: Wait before each job, in seconds.
+    """
+
+    crash_on_job: int = 0
+    crash_mid_job: int = 0
+    delay_s: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> Faults:
+        """Parse ``"key=value,key=value"``; an empty string means no faults.
+
+        Raises:
+            ValueError: An unknown key, a missing ``=`` or a value of the wrong type/sign.
+        """
+        kinds = {"crash_on_job": int, "crash_mid_job": int, "delay_s": float}
+        values: dict[str, float] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, sep, raw = item.partition("=")
+            if not sep or key not in kinds:
+                raise ValueError(f"{FAULTS_ENV}: bad item {item!r}; keys: {sorted(kinds)}")
+            try:
+                value = kinds[key](raw)
+            except ValueError:
+                raise ValueError(f"{FAULTS_ENV}: {key} needs a {kinds[key].__name__}, got {raw!r}") from None
+            if value < 0:
+                raise ValueError(f"{FAULTS_ENV}: {key} must be >= 0, got {raw!r}")
+            values[key] = value
+        return cls(**values)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_env(cls) -> Faults:
+        """Faults from ``HIRADIX_FAULTS`` (the only place the variable is read).
+
+        Raises:
+            ValueError: As :meth:`parse`.
+        """
+        return cls.parse(os.environ.get(FAULTS_ENV, ""))
+
+
+def _crash(reason: str) -> None:
+    """Die like a crashed process: no cleanup, no replies."""
+    logger.warning("fault switch: %s; exiting with %d", reason, FAULT_EXIT_CODE)
+    logging.shutdown()
+    os._exit(FAULT_EXIT_CODE)
+
+
+class Worker:
+    """Serves jobs on one pair of sockets; owns the attached tiers and the thread pool."""
+
+    def __init__(self, spec: WorkerSpec, jobs_addr: str, replies: PushQueue[WorkerReply]):
+        """Attach both tiers and bind the jobs socket.
+
+        Raises:
+            PermissionError: ``spec.socket_dir`` is not private (0700, ours).
+            ValueError: The spec contradicts itself (page bytes) or ``HIRADIX_FAULTS`` is bad.
+            OSError: A tier's file cannot be opened.
+        """
+        ensure_private_dir(Path(spec.socket_dir))
+        self.faults = Faults.from_env()
+        layout = KVLayout.from_json(spec.layout)
+        if not layout.page_major:
+            raise ValueError("the I/O worker moves whole pages; it needs a page-major layout")
+        if layout.page_bytes != spec.page_bytes:
+            raise ValueError(f"spec.page_bytes {spec.page_bytes} != layout {layout.page_bytes}")
+        if spec.threads < 1:
+            raise ValueError(f"spec.threads must be >= 1, got {spec.threads}")
+        self.spec = spec
+        self.pool = DramPool.attach(Path(spec.dram_path), layout, spec.num_dram_pages)
+        try:
+            self.store = NvmeStore.open(
+                Path(spec.nvme_dir) / NVME_FILE_NAME, spec.page_bytes, spec.num_nvme_slots,
+                backend=spec.io_backend, threads=spec.threads,
+            )
+        except BaseException:
+            self.pool.close()
+            raise
+        self.replies = replies
+        self.ctx = zmq.Context.instance()
+        self.requests = PullQueue(self.ctx, jobs_addr, decode_request)
+        self.executor = ThreadPoolExecutor(spec.threads, thread_name_prefix="hiradix-io")
+        self.stop = threading.Event()  # set by Shutdown: cuts fault delays short
+        self.jobs_received = 0  # ordinal of the last job taken in (main thread only)
+        self.lock = threading.Lock()  # guards in_flight
+        self.in_flight: set[int] = set()  # job ids taken in and not yet answered
+
+    # ---- main loop ---------------------------------------------------------------------------
+
+    def serve(self) -> int:
+        """Run until Shutdown or the parent's death.
+
+        Returns:
+            The process exit status: 0 on Shutdown, 1 when the parent is gone.
+        """
+        poller = zmq.Poller()
+        poller.register(self.requests.socket, zmq.POLLIN)
+        while True:
+            if os.getppid() != self.spec.parent_pid:
+                logger.warning("parent %d is gone; exiting", self.spec.parent_pid)
+                return 1
+            if not poller.poll(int(PARENT_POLL_S * 1000)):
+                continue
+            while True:
+                try:
+                    msg = self.requests.get_nowait()
+                except ProtocolError as exc:
+                    logger.warning("rejected a malformed message: %s", exc)
+                    self.replies.put(Rejected(job_id=-1, reason=str(exc)))
+                    continue
+                if msg is None:
+                    break
+                if isinstance(msg, Shutdown):
+                    return 0
+                self._handle(msg)
+
+    def _handle(self, msg: StorePages | LoadPages | Ping) -> None:
+        """Answer a Ping, or validate and dispatch a job; never raises on a bad job."""
+        if isinstance(msg, Ping):
+            self.replies.put(Pong(seq=msg.seq))
+            return
+        reason = validate_job(msg, self.spec.num_dram_pages, self.spec.num_nvme_slots)
+        with self.lock:
+            if not reason and msg.job_id in self.in_flight:
+                reason = f"job_id {msg.job_id} is already in flight"
+            if not reason:
+                self.in_flight.add(msg.job_id)
+        if reason:
+            logger.warning("rejected job %d: %s", msg.job_id, reason)
+            self.replies.put(Rejected(job_id=msg.job_id, reason=reason))
+            return
+        self.jobs_received += 1
+        if self.faults.crash_on_job == self.jobs_received:
+            _crash(f"job {msg.job_id} is job #{self.jobs_received}")
+        future = self.executor.submit(self._run, msg, self.jobs_received)
+        future.add_done_callback(lambda f, job=msg: self._reply(job, f))
+
+    # ---- jobs (pool threads) -----------------------------------------------------------------
+
+    def _run(self, job: Job, ordinal: int) -> JobDone:
+        """Move one job's pages; failures become a failed ``JobDone``, never an exception."""
+        start_s = time.monotonic()
+        n = job_pages(job)
+        if self.faults.delay_s and self.stop.wait(self.faults.delay_s):
+            return JobDone(job_id=job.job_id, ok=[False] * n, error="cancelled: shutdown")
+        try:
+            views = [self.pool.page_view(p) for p in job.dram_pages]
+            move = self.store.write_slots if isinstance(job, StorePages) else self.store.read_slots
+            if self.faults.crash_mid_job == ordinal:
+                move(list(job.nvme_slots[: n // 2]), views[: n // 2])
+                _crash(f"halfway through job {job.job_id} (#{ordinal})")
+            ok = [bool(x) for x in move(list(job.nvme_slots), views)]
+            if len(ok) != n:
+                raise RuntimeError(f"store returned {len(ok)} flags for {n} pages")
+            return JobDone(job_id=job.job_id, ok=ok, duration_s=time.monotonic() - start_s)
+        except Exception as exc:  # noqa: BLE001 - a bad job must not take the worker down
+            logger.exception("job %d failed", job.job_id)
+            return JobDone(
+                job_id=job.job_id, ok=[False] * n, error=f"{type(exc).__name__}: {exc}",
+                duration_s=time.monotonic() - start_s,
+            )
+
+    def _reply(self, job: Job, future: Future) -> None:
+        """Done-callback: send the job's ``JobDone`` (a cancelled job fails)."""
+        if future.cancelled():
+            done = JobDone(job_id=job.job_id, ok=[False] * job_pages(job), error="cancelled: shutdown")
+        else:
+            done = future.result()
+        with self.lock:
+            self.in_flight.discard(job.job_id)
+        try:
+            self.replies.put(done)
+        except zmq.ZMQError as exc:  # the socket closed under us during exit
+            logger.debug("could not send JobDone(%d): %s", job.job_id, exc)
+
+    def close(self, graceful: bool) -> None:
+        """Stop the pool (waiting for running jobs if ``graceful``), close the sockets and tiers."""
+        self.stop.set()
+        self.executor.shutdown(wait=graceful, cancel_futures=True)
+        self.requests.close()
+        if graceful:
+            self.store.close()
+            self.pool.close()
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m hiradix.io.worker", description=__doc__.split("\n")[0])
+    parser.add_argument("--spec", required=True, help="WorkerSpec as JSON")
+    parser.add_argument("--jobs", required=True, help="ipc:// address to bind for requests")
+    parser.add_argument("--acks", required=True, help="ipc:// address to connect for replies")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: start, serve, exit. Returns the exit status (0 = Shutdown)."""
+    args = _parse_args(argv)
+    level = logging.getLevelName(os.environ.get(LOG_LEVEL_ENV, "WARNING").upper())
+    logging.basicConfig(
+        level=level if isinstance(level, int) else logging.WARNING,
+        format=f"%(asctime)s io-worker[{os.getpid()}] %(levelname)s %(message)s",
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    replies: PushQueue[WorkerReply] = PushQueue(zmq.Context.instance(), args.acks)
+    try:
+        worker = Worker(WorkerSpec.from_json(args.spec), args.jobs, replies)
+    except Exception as exc:  # noqa: BLE001 - report any start failure to the client
+        logger.exception("start failed")
+        replies.put(StartFailed(reason=f"{type(exc).__name__}: {exc}"))
+        replies.close(linger_s=ACK_LINGER_S)
+        return 1
+    replies.put(Ready(pid=os.getpid()))
+    status = worker.serve()
+    worker.close(graceful=status == 0)
+    replies.close(linger_s=ACK_LINGER_S if status == 0 else 0.0)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
