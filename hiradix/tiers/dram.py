@@ -1,0 +1,249 @@
+"""The DRAM tier: one shared-memory file mapped by the scheduler and by the I/O worker.
+
+The scheduler process creates ``<directory>/dram.kv`` (by default on ``/dev/shm``, tmpfs) and
+maps it ``MAP_SHARED``; the I/O worker process attaches the same file, so a page moves between
+DRAM and NVMe without crossing the ZMQ socket: only page ids do. The role of SGLang's
+``MHATokenToKVPoolHost`` with ``allocator_type="shm"`` (``pool_host/mha.py``,
+``storage/mmap/mmap_allocator.py``), but file-backed so a second process finds it by path.
+
+Security: the KV of other users' prompts lives here, so the directory must be private
+(``0700``, owned by this user, not a symlink) and the file is created ``0600``.
+
+Data movement only; which pages are free is :class:`hiradix.tiers.allocator.PageAllocator`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+import torch
+
+from hiradix.layout import KVLayout
+
+logger = logging.getLogger(__name__)
+
+DRAM_FILE_NAME = "dram.kv"
+
+
+def default_shm_dir() -> Path:
+    """Per-process private directory on ``/dev/shm`` (tmpfs), or the temp dir where there is none.
+
+    Returns:
+        ``/dev/shm/hiradix-<uid>-<pid>`` (not created here; :meth:`DramPool.create` does).
+    """
+    base = Path("/dev/shm")
+    if not base.is_dir():
+        base = Path(tempfile.gettempdir())
+    return base / f"hiradix-{os.geteuid()}-{os.getpid()}"
+
+
+def num_pages_for_bytes(dram_bytes: int, layout: KVLayout) -> int:
+    """Whole pages that fit in a DRAM budget (rounded down).
+
+    Args:
+        dram_bytes: DRAM budget in bytes (e.g. ``--hiradix-dram-gb`` * 2**30).
+        layout: the page layout (``layout.page_bytes`` per page).
+
+    Raises:
+        ValueError: the budget holds no page at all.
+    """
+    num_pages = int(dram_bytes) // layout.page_bytes
+    if num_pages < 1:
+        raise ValueError(
+            f"DRAM budget {dram_bytes} bytes holds no page of {layout.page_bytes} bytes"
+        )
+    return num_pages
+
+
+def ensure_private_dir(directory: Path) -> tuple[Path, bool]:
+    """Create ``directory`` with mode 0700 if missing; refuse it if others can reach it.
+
+    Returns:
+        ``(directory, created)``: ``created`` is True when this call made it.
+
+    Raises:
+        PermissionError: it is a symlink, not a directory, owned by another user, or
+            group/world accessible (any bit of ``0o077`` set).
+    """
+    directory = Path(directory)
+    created = False
+    if not os.path.lexists(directory):
+        directory.mkdir(mode=0o700, parents=True)
+        created = True
+    st = os.lstat(directory)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"{directory} must be a real directory (not a symlink)")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(f"{directory} is owned by uid {st.st_uid}, not by this user")
+    if st.st_mode & 0o077:
+        raise PermissionError(
+            f"{directory} has mode {stat.S_IMODE(st.st_mode):04o}; it must be private (0700)"
+        )
+    return directory, created
+
+
+class DramPool:
+    """``num_pages`` KV pages in a shared mapping, viewed as one tensor.
+
+    Build with :meth:`create` (owner process) or :meth:`attach` (other processes).
+
+    Attributes:
+        path: the backing file.
+        layout: page layout (``layout.page_bytes`` bytes per page).
+        num_pages: capacity in pages.
+        tensor: ``layout.dram_shape(num_pages)`` of ``layout.dtype``, a view of the mapping
+            (writes are seen by every process that maps the file).
+    """
+
+    def __init__(self, path: Path, layout: KVLayout, num_pages: int, mapping: mmap.mmap, created_dir: bool):
+        """Use :meth:`create` or :meth:`attach`; this wraps an existing mapping."""
+        assert len(mapping) == num_pages * layout.page_bytes, "mapping size != num_pages * page_bytes"
+        self.path = Path(path)
+        self.layout = layout
+        self.num_pages = num_pages
+        self._mmap: mmap.mmap | None = mapping
+        self._view = memoryview(mapping)
+        self._created_dir = created_dir
+        self.tensor = torch.frombuffer(mapping, dtype=layout.dtype).view(layout.dram_shape(num_pages))
+
+    @property
+    def dram_bytes(self) -> int:
+        """Size of the mapping in bytes (``num_pages * layout.page_bytes``)."""
+        return self.num_pages * self.layout.page_bytes
+
+    @classmethod
+    def create(cls, layout: KVLayout, num_pages: int, directory: Path) -> DramPool:
+        """Create (or replace) ``directory/dram.kv``, reserve its memory, and map it.
+
+        The file is ``posix_fallocate``d so a tmpfs that is too small fails here, with
+        ``ENOSPC``, instead of with ``SIGBUS`` at the first touch of a page.
+
+        Args:
+            layout: page layout.
+            num_pages: capacity in pages (``>= 1``); see :func:`num_pages_for_bytes`.
+            directory: private directory (created 0700 if missing), e.g. :func:`default_shm_dir`.
+
+        Raises:
+            ValueError: ``num_pages < 1``.
+            PermissionError: ``directory`` is not private (see :func:`ensure_private_dir`).
+            OSError: the file system cannot hold ``num_pages * page_bytes`` bytes.
+        """
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        directory, created_dir = ensure_private_dir(Path(directory))
+        path = directory / DRAM_FILE_NAME
+        size_bytes = num_pages * layout.page_bytes
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(path, flags, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, size_bytes)
+            except OSError as exc:
+                os.unlink(path)
+                raise OSError(exc.errno, f"cannot reserve {size_bytes} bytes for the DRAM tier in {directory}: {exc.strerror}") from exc
+            mapping = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        logger.info("DRAM tier: %d pages x %d bytes at %s", num_pages, layout.page_bytes, path)
+        return cls(path, layout, num_pages, mapping, created_dir)
+
+    @classmethod
+    def attach(cls, path: Path, layout: KVLayout, num_pages: int) -> DramPool:
+        """Map an existing pool file (in the I/O worker process).
+
+        Raises:
+            FileNotFoundError: no such file.
+            PermissionError: the file is group/world accessible or owned by another user.
+            ValueError: its size is not ``num_pages * layout.page_bytes``.
+        """
+        path = Path(path)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                raise PermissionError(f"{path}: mode {stat.S_IMODE(st.st_mode):04o} uid {st.st_uid}; expected 0600, ours")
+            size_bytes = num_pages * layout.page_bytes
+            if st.st_size != size_bytes or size_bytes == 0:
+                raise ValueError(f"{path} has {st.st_size} bytes, expected {num_pages} pages x {layout.page_bytes}")
+            mapping = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(path, layout, num_pages, mapping, created_dir=False)
+
+    def _check_page(self, page_id: int) -> None:
+        if not 0 <= page_id < self.num_pages:
+            raise ValueError(f"page id {page_id} out of range [0, {self.num_pages})")
+
+    def page_view(self, page_id: int) -> memoryview:
+        """The ``layout.page_bytes`` contiguous bytes of one page, all layers (page-major only).
+
+        Raises:
+            ValueError: ``page_id`` out of range, or a layer-major pool (a page is then
+                ``num_layers`` extents; use :meth:`layer_page_view`).
+        """
+        if not self.layout.page_major:
+            raise ValueError("page_view needs a page-major pool; use layer_page_view per layer")
+        self._check_page(page_id)
+        start = page_id * self.layout.page_bytes
+        return self._view[start : start + self.layout.page_bytes]
+
+    def layer_page_view(self, layer: int, page_id: int) -> memoryview:
+        """The ``layout.layer_page_bytes`` contiguous bytes of one layer of one page.
+
+        Holds K then V: ``[2, page_size, num_kv_heads, head_dim]`` of ``layout.dtype``.
+
+        Raises:
+            ValueError: ``layer`` or ``page_id`` out of range.
+        """
+        self._check_page(page_id)
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.layout.num_layers})")
+        if self.layout.page_major:
+            index = page_id * self.layout.num_layers + layer
+        else:
+            index = layer * self.num_pages + page_id
+        start = index * self.layout.layer_page_bytes
+        return self._view[start : start + self.layout.layer_page_bytes]
+
+    def close(self) -> None:
+        """Drop this object's references to the mapping; idempotent.
+
+        Views handed out earlier (``tensor``, ``page_view``) keep the mapping alive until they
+        are collected; the memory is unmapped when the last one goes.
+        """
+        if self._mmap is None:
+            return
+        mapping, self._mmap = self._mmap, None
+        self.tensor = None  # type: ignore[assignment]
+        try:
+            self._view.release()
+            mapping.close()
+        except BufferError:
+            logger.debug("DRAM pool %s: views still alive; unmapped when they are collected", self.path)
+
+    def unlink(self) -> None:
+        """Remove the backing file (and the directory if :meth:`create` made it and it is empty)."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        if self._created_dir:
+            try:
+                os.rmdir(self.path.parent)
+            except OSError:
+                pass
+
+    def __enter__(self) -> DramPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"DramPool({self.path}, pages={self.num_pages}, page_bytes={self.layout.page_bytes})"
