@@ -1,0 +1,59 @@
+"""Shared fixtures: the venv's interpreter, a CPU launch environment, the tiny model."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Flags that let `sglang.launch_server` run on a CPU-only machine (see DESIGN.md).
+CPU_SERVER_FLAGS: tuple[str, ...] = (
+    "--device", "cpu",
+    "--attention-backend", "torch_native",
+    "--max-total-tokens", "4096",
+    "--sleep-on-idle",
+    "--dtype", "float32",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    """The repository root."""
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def venv_python() -> str:
+    """The interpreter that has SGLang and hiradix installed (.venv, else this one)."""
+    candidate = REPO_ROOT / ".venv" / "bin" / "python"
+    return str(candidate) if candidate.exists() else sys.executable
+
+
+@pytest.fixture(scope="session")
+def cpu_flags() -> list[str]:
+    """`CPU_SERVER_FLAGS` as a fresh list."""
+    return list(CPU_SERVER_FLAGS)
+
+
+@pytest.fixture
+def cpu_env() -> dict[str, str]:
+    """Environment for a CPU SGLang process: no stale HIRADIX_CONFIG, no plugin whitelist."""
+    env = dict(os.environ)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("HIRADIX_CONFIG", None)
+    env.pop("SGLANG_PLUGINS", None)
+    return env
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """models/tiny (built by scripts/make_model.py); skips the test when missing."""
+    path = REPO_ROOT / "models" / "tiny"
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+        pytest.skip("models/tiny is missing: run scripts/make_model.py --preset tiny")
+    return path
