@@ -13,6 +13,7 @@ It is selected with ``--enable-hiradix`` through SGLang's radix-cache backend re
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -74,6 +75,8 @@ class HiRadixCache(BasePrefixCache):
         self._empty_slots = torch.empty((0,), dtype=torch.int64, device=self.device)
         self.tiers = None
         self.last_view: Optional[QueueView] = None
+        # Test/debug switch: prove the invariants after every step and eviction (slow).
+        self.check_every_step = os.environ.get("HIRADIX_CHECK_INTEGRITY", "0") == "1"
         if kv_pool is not None:
             from hiradix.tiering import TierController
 
@@ -200,6 +203,8 @@ class HiRadixCache(BasePrefixCache):
         """Per scheduler step: reap finished copies and worker acks, keep DRAM headroom."""
         if self.tiers is not None:
             self.tiers.step()
+        if self.check_every_step:
+            self.check_integrity()
 
     def observe_queue(self, waiting_queue: list) -> Optional[QueueView]:
         """Look-ahead over the first W waiting requests (``lookahead`` policy only).
@@ -276,6 +281,8 @@ class HiRadixCache(BasePrefixCache):
             self.token_to_kv_pool_allocator.free_segment(slots, start_pos=0)
             num_evicted += len(slots)
         self.update_eviction_metrics(num_evicted, start)
+        if self.check_every_step:
+            self.check_integrity()
         return EvictResult(num_tokens_evicted=num_evicted)
 
     def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:

@@ -34,10 +34,11 @@ from hiradix.tree import TieredRadixTree, Tier, TreeNode
 
 logger = logging.getLogger(__name__)
 
-# Demotion starts when free DRAM pages fall below LOW and stops above HIGH (fractions).
-DRAM_FREE_LOW = 0.10
-DRAM_FREE_HIGH = 0.20
+# A demoted page also leaves DRAM when free DRAM pages are below this fraction.
+DRAM_FREE_LOW = 0.25
 MAX_DEMOTIONS_IN_FLIGHT = 64  # worker jobs, each one node
+# An HBM eviction that needs DRAM room waits at most this long for demotions in flight.
+DEMOTION_WAIT_S = 0.2
 
 
 @dataclass
@@ -80,11 +81,12 @@ class TierController:
         if config.nvme_bytes > 0:
             nvme_slots = config.nvme_bytes // slot_bytes_for(self.layout.page_bytes)
             self._start_nvme(nvme_slots, tp_rank, io_backend)
-        self.books = TierBooks(tree, dram_pages, nvme_slots)
+        self.books = TierBooks(tree, dram_pages, nvme_slots, dram_free_low_pages=int(DRAM_FREE_LOW * dram_pages))
         device = kv_pool.k_buffer[0].device
         self.loader = LayerwiseLoader(self.layout.num_layers, device)
         self.mover = HostMover(kv_pool, self.dram, self.loader)
         self._prefetch_deadline_s: dict[int, float] = {}  # PREFETCH op id -> give-up time
+        self._last_summary_s = 0.0
         logger.info(
             "hiradix tiers: DRAM %d pages (%d B each) at %s; NVMe %d slots%s",
             dram_pages, self.layout.page_bytes, self.dram.path, nvme_slots,
@@ -133,20 +135,37 @@ class TierController:
         for node in self.tree.victims(Tier.HBM):
             if evicted >= num_tokens:
                 break
-            if len(node.tiers()) == 1:
-                self._backup_now(node)
+            if len(node.tiers()) == 1 and not self._backup_now(node):
+                # No DRAM room even after dropping DRAM's own last copies: the node's KV is
+                # lost, and so is what hangs below it (unreachable without this prefix).
+                for child in list(node.children.values()):
+                    self.books.drop_subtree(child)
+                if node.children:
+                    continue  # a child's copy is pinned by a transfer in flight; next victim
+                self.books.dropped_tokens[Tier.HBM] += node.num_tokens
             evicted += node.num_tokens
             freed.append(self.tree.detach(node, Tier.HBM))
+        self._demote_last_copies()  # what just became DRAM-only starts down to NVMe now
         return freed
 
-    def _backup_now(self, node: TreeNode) -> None:
-        """Write-back: copy a last HBM copy to DRAM synchronously (dropped if DRAM is full)."""
+    def _backup_now(self, node: TreeNode) -> bool:
+        """Write-back: copy a last HBM copy to DRAM synchronously; False if DRAM has no room.
+
+        Eviction must always make progress, so DRAM may drop its own last copies here
+        (least valuable first by the policy) even while NVMe has room.
+        """
         op = self.books.prepare(Kind.BACKUP, [node])
+        deadline_s = time.monotonic() + DEMOTION_WAIT_S
+        while op is None and self.books.in_flight(Kind.DEMOTE) and time.monotonic() < deadline_s:
+            # DRAM is full of last copies on their way to NVMe: let some land (bounded).
+            self._apply_worker_acks(self.client.wait(deadline_s - time.monotonic()))
+            op = self.books.prepare(Kind.BACKUP, [node])
+        op = op or self.books.prepare(Kind.BACKUP, [node], allow_drop=True)
         if op is None:
-            self.books.dropped_tokens[Tier.HBM] += node.num_tokens
-            return
+            return False
         self.mover.backup(op)
         self._reap(self.mover.flush())
+        return node.in_tier(Tier.DRAM)
 
     # ------------------------------------------------------------ load back
     def load_back(self, nodes: list[TreeNode], hbm_slots: Any) -> int:
@@ -202,20 +221,37 @@ class TierController:
     # ------------------------------------------------------------ per step
     def step(self) -> None:
         """Reap finished copies and worker acks; keep DRAM headroom by demoting to NVMe."""
+        now = time.monotonic()
+        if now - self._last_summary_s > 10.0:
+            self._last_summary_s = now
+            logger.info("hiradix: %s", self.summary())
         self._reap(self.mover.finished())
         if self.client is not None:
             alive = self.client.check_alive()
-            for done in self.client.poll():
-                op = self.books.complete(done.job_id, done.ok)
-                self._prefetch_deadline_s.pop(done.job_id, None)
-                if op is not None and not all(done.ok):
-                    self.stats.transfers_failed[op.kind.name] += 1
-                elif op is not None:
-                    self.stats.bytes_moved[op.kind.name] += len(op.src_ids) * self.layout.page_bytes
+            self._apply_worker_acks(self.client.poll())
             if not alive and self.client.disabled and self.books.nvme_enabled:
                 logger.warning("hiradix: the I/O worker keeps dying; NVMe tier switched off, serving from HBM and DRAM")
                 self.books.nvme_enabled = False
-            self._demote_under_pressure()
+            self._demote_last_copies()
+
+    def summary(self) -> str:
+        """One line of tier occupancy and counters, for logs."""
+        b = self.books
+        nvme = f"{b.nvme.num_used}/{b.nvme.capacity}" if b.nvme is not None else "off"
+        inflight = {k.name: len(b.in_flight(k)) for k in Kind}
+        return (
+            f"tokens per tier HBM/DRAM/NVMe={self.tree.tier_tokens} DRAM pages={b.dram.num_used}/{b.dram.capacity} "
+            f"NVMe slots={nvme} in-flight={inflight} dropped tokens={b.dropped_tokens} failed={self.stats.transfers_failed}"
+        )
+
+    def _apply_worker_acks(self, acks: list) -> None:
+        for done in acks:
+            op = self.books.complete(done.job_id, done.ok)
+            self._prefetch_deadline_s.pop(done.job_id, None)
+            if op is not None and not all(done.ok):
+                self.stats.transfers_failed[op.kind.name] += 1
+            elif op is not None:
+                self.stats.bytes_moved[op.kind.name] += len(op.src_ids) * self.layout.page_bytes
 
     def _reap(self, op_ids: list[int]) -> None:
         for op_id in op_ids:
@@ -223,22 +259,26 @@ class TierController:
             if op is not None and op.kind == Kind.BACKUP:
                 self.stats.bytes_moved[Kind.BACKUP.name] += len(op.src_ids) * self.layout.page_bytes
 
-    def _demote_under_pressure(self) -> None:
-        dram = self.books.dram
-        if not self.books.nvme_enabled or dram.num_free >= DRAM_FREE_LOW * dram.capacity:
+    def _demote_last_copies(self) -> None:
+        """Copy every DRAM-only node down to NVMe (policy order, bounded in flight).
+
+        Eager write-back to NVMe keeps DRAM's copies redundant, so the room a backup or a
+        prefetch needs can always be made without losing a last copy. The DRAM copy is
+        freed when the copy lands only if DRAM is short of free pages (below
+        ``DRAM_FREE_LOW``); otherwise it stays, as a DRAM hit for the next turn.
+        """
+        if not self.books.nvme_enabled:
             return
-        want = int(DRAM_FREE_HIGH * dram.capacity) - dram.num_free
         in_flight = len(self.books.in_flight(Kind.DEMOTE))
-        for node in self.tree.victims(Tier.DRAM):
-            if want <= 0 or in_flight >= MAX_DEMOTIONS_IN_FLIGHT:
+        todo = [n for n in self.tree.sole_copies(Tier.DRAM) if n.pinned[Tier.DRAM] == 0]
+        todo.sort(key=lambda n: self.tree.policy.priority(n, Tier.DRAM))
+        for node in todo:
+            if in_flight >= MAX_DEMOTIONS_IN_FLIGHT:
                 break
-            if node.tiers() != [Tier.DRAM]:
-                continue  # redundant copies are simply dropped when room is needed
             op = self.books.prepare(Kind.DEMOTE, [node])
             if op is None:
                 break
             self.client.submit(StorePages(op.op_id, op.src_ids, op.dst_ids))
-            want -= len(op.src_ids)
             in_flight += 1
 
     # ------------------------------------------------------------ lifecycle

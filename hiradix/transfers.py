@@ -76,10 +76,15 @@ class TierBooks:
         tree: the tree whose nodes the transfers move.
         dram_pages: DRAM tier capacity in pages (0 = no DRAM tier).
         nvme_slots: NVMe tier capacity in pages (0 = no NVMe tier).
+        dram_free_low_pages: a completed demotion frees its DRAM copy only while fewer
+            DRAM pages than this are free (default: always).
     """
 
-    def __init__(self, tree: TieredRadixTree, dram_pages: int, nvme_slots: int):
+    def __init__(self, tree: TieredRadixTree, dram_pages: int, nvme_slots: int, dram_free_low_pages: Optional[int] = None):
         self.tree = tree
+        # A completed DEMOTE frees its DRAM copy only while fewer pages than this are free
+        # (default: always, i.e. a demotion moves the page down).
+        self.dram_free_low_pages = dram_pages if dram_free_low_pages is None else dram_free_low_pages
         self.dram = PageAllocator(dram_pages)
         self.nvme = PageAllocator(nvme_slots) if nvme_slots > 0 else None
         self.nvme_enabled = self.nvme is not None
@@ -143,15 +148,17 @@ class TierBooks:
         return len(ids)
 
     # ------------------------------------------------------------- prepare
-    def prepare(self, kind: Kind, nodes: Sequence[TreeNode], dst_ids: Optional[list[int]] = None, hbm_slots: Any = None) -> Optional[Transfer]:
+    def prepare(
+        self, kind: Kind, nodes: Sequence[TreeNode], hbm_slots: Any = None, allow_drop: Optional[bool] = None
+    ) -> Optional[Transfer]:
         """Reserve the destination and pin the sources of a transfer of ``nodes``.
 
         Args:
             kind: what moves where.
             nodes: nodes holding a copy in ``kind.src`` and none in ``kind.dst``.
-            dst_ids: destination page ids for PROMOTE (HBM slots are allocated by SGLang);
-                allocated here for the other kinds.
-            hbm_slots: PROMOTE: the new device slots, shape ``(pages * page_size,)``.
+            hbm_slots: PROMOTE only: the new device slots (allocated by SGLang), shape
+                ``(pages * page_size,)``; the other kinds allocate their destination here.
+            allow_drop: passed to :meth:`alloc` (may the destination drop last copies).
 
         Returns:
             The transfer, or ``None`` when the destination has no room (nothing changed).
@@ -162,7 +169,7 @@ class TierBooks:
             assert hbm_slots is not None and len(hbm_slots) == len(src_ids) * ps
             dst_ids = hbm_slots[::ps].tolist() if hasattr(hbm_slots, "tolist") else list(hbm_slots[::ps])
         else:
-            dst_ids = self.alloc(kind.dst, len(src_ids))
+            dst_ids = self.alloc(kind.dst, len(src_ids), allow_drop=allow_drop)
             if dst_ids is None:
                 return None
         op = Transfer(next(self._op_ids), kind, list(nodes), src_ids, dst_ids, hbm_slots, dict(zip(src_ids, dst_ids)))
@@ -232,20 +239,20 @@ class TierBooks:
         if not src or not all(flags.get(s, False) for s in src) or node.in_tier(kind.dst):
             if kind == Kind.PREFETCH and src and not all(flags.get(s, False) for s in src):
                 logger.warning("hiradix: NVMe read of %s failed verification; treated as a miss", node)
-                self._drop_subtree(node)
+                self.drop_subtree(node)
             return []
         dst = [op.dst_of[s] for s in src]
         self.tree.attach(node, kind.dst, dst)
         if kind == Kind.PREFETCH:
             node.nvme_loaded = True
-        if kind == Kind.DEMOTE and node.pinned[Tier.DRAM] == 0:
-            self.drop_copy(node, Tier.DRAM)  # the demotion moved it
+        if kind == Kind.DEMOTE and node.pinned[Tier.DRAM] == 0 and self.dram.num_free < self.dram_free_low_pages:
+            self.drop_copy(node, Tier.DRAM)  # DRAM is short: the demotion moved it
         return dst
 
-    def _drop_subtree(self, node: TreeNode) -> None:
+    def drop_subtree(self, node: TreeNode) -> None:
         """Forget ``node`` and its descendants on DRAM/NVMe (none of them is in HBM)."""
         for child in list(node.children.values()):
-            self._drop_subtree(child)
+            self.drop_subtree(child)
         for tier in (Tier.NVME, Tier.DRAM):
             # A pinned copy stays until its own transfer completes.
             if node.alive and node.in_tier(tier) and node.pinned[tier] == 0 and (len(node.tiers()) > 1 or not node.children):

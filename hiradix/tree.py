@@ -92,7 +92,7 @@ class TreeNode:
 
     def __repr__(self) -> str:
         tiers = "".join(t.name[0] for t in self.tiers())
-        return f"TreeNode(id={self.id}, tokens={self.num_tokens}, tiers={tiers}, lock={self.lock_ref})"
+        return f"TreeNode(id={self.id}, tokens={self.num_tokens}, tiers={tiers}, lock={self.lock_ref}, pinned={self.pinned})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +152,7 @@ class TieredRadixTree:
         self.hbm_protected_tokens = 0  # locked tokens the tree holds in HBM
         self.tier_tokens = [0, 0, 0]  # tokens held per tier
         self._candidates: list[set[TreeNode]] = [set(), set(), set()]  # eviction candidates per tier
+        self._sole: list[set[TreeNode]] = [set(), set(), set()]  # nodes held by that tier only
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         """Every non-root node, parents before children."""
@@ -168,6 +169,10 @@ class TieredRadixTree:
     def candidates(self, tier: Tier) -> set[TreeNode]:
         """Nodes whose copy in ``tier`` may be evicted now (read-only view)."""
         return self._candidates[tier]
+
+    def sole_copies(self, tier: Tier) -> set[TreeNode]:
+        """Nodes whose KV only ``tier`` holds (read-only view)."""
+        return self._sole[tier]
 
     # ------------------------------------------------------------------ match
     def match(
@@ -328,7 +333,7 @@ class TieredRadixTree:
         assert not node.children and not node.tiers(), node
         parent = node.parent
         del parent.children[self._key_in_parent(node)]
-        for cands in self._candidates:
+        for cands in (*self._candidates, *self._sole):
             cands.discard(node)
         node.parent = None
         self._refresh(parent)
@@ -444,6 +449,8 @@ class TieredRadixTree:
         for node in self.victims(Tier.HBM):
             if evicted >= num_tokens:
                 break
+            if node.children and len(node.tiers()) == 1:
+                continue  # its children live on lower tiers; see TierController.evict_hbm
             evicted += node.num_tokens
             freed.append(self.detach(node, Tier.HBM))
         return freed
@@ -457,18 +464,23 @@ class TieredRadixTree:
         """Recompute in which tiers ``node`` is an eviction candidate."""
         if node is None or node is self.root or not node.alive:
             return
+        tiers = node.tiers()
         for tier in Tier:
             if self._is_candidate(node, tier):
                 self._candidates[tier].add(node)
             else:
                 self._candidates[tier].discard(node)
+            if tiers == [tier]:
+                self._sole[tier].add(node)
+            else:
+                self._sole[tier].discard(node)
 
     def _is_candidate(self, node: TreeNode, tier: Tier) -> bool:
         if not node.in_tier(tier) or node.pinned[tier] > 0:
             return False
         if tier == Tier.HBM:
-            if node.lock_ref > 0 or any(c.hbm_slots is not None for c in node.children.values()):
-                return False
+            # The evictor backs a last HBM copy up to DRAM first (or drops the subtree below).
+            return node.lock_ref == 0 and not any(c.hbm_slots is not None for c in node.children.values())
         # Dropping the last copy of a node with children would orphan them.
         return len(node.tiers()) > 1 or not node.children
 
@@ -541,9 +553,13 @@ class TieredRadixTree:
         tier_tokens = [0, 0, 0]
         seen_slots: set[int] = set()
         cands: list[set] = [set(), set(), set()]
+        sole: list[set] = [set(), set(), set()]
         for node in self.iter_nodes():
             self._check_node(node, seen_slots)
-            for tier in node.tiers():
+            tiers = node.tiers()
+            if len(tiers) == 1:
+                sole[tiers[0]].add(node)
+            for tier in tiers:
                 tier_tokens[tier] += node.num_tokens
                 if self._is_candidate(node, tier):
                     cands[tier].add(node)
@@ -558,6 +574,7 @@ class TieredRadixTree:
         for tier in Tier:
             extra, missing = self._candidates[tier] - cands[tier], cands[tier] - self._candidates[tier]
             _require(not extra and not missing, f"{tier.name} candidates differ: extra={extra} missing={missing}")
+            _require(sole[tier] == self._sole[tier], f"{tier.name} sole-copy set differs")
 
     def _check_node(self, node: TreeNode, seen_slots: set[int]) -> None:
         ps, parent = self.page_size, node.parent

@@ -1,0 +1,394 @@
+"""Run a real `sglang.launch_server` as a subprocess, for tests and benchmarks.
+
+Example:
+    >>> from hiradix.testing.server import ServerProcess, cpu_args
+    >>> with ServerProcess("models/tiny", extra_args=cpu_args(4096)) as server:
+    ...     print(server.base_url)          # http://127.0.0.1:33017
+    ...     ...                             # send requests
+    >>> # the server and all its children (scheduler, detokenizer) are gone here
+
+What it does:
+    * starts `python -m sglang.launch_server --model-path M --host H --port P
+      --nccl-port Q [extra_args...]` in a new process session (`start_new_session=True`),
+      so the launcher, the scheduler and the detokenizer share one process group;
+    * writes stdout and stderr to a log file (`log_path`, or a temporary file);
+    * waits until `GET /health` answers 200 (SGLang answers 503 until its warm-up request
+      has run) and raises `ServerStartError` with the tail of the log if the process
+      exits first or the timeout passes;
+    * on exit, also after an exception, sends SIGTERM to the process group, waits a grace
+      period, then SIGKILLs the group and every descendant that is still alive (by PID).
+
+Nothing is hidden: the CPU settings this machine needs are the explicit helpers
+`cpu_args(max_total_tokens)` and `cpu_env()`; pass them in yourself.
+
+Ports: when `port` is None a free port is picked from `DEFAULT_PORT_RANGE` (override with
+the environment variable `HIRADIX_PORT_RANGE="33000-33099"`); SGLang's torch.distributed
+port (`--nccl-port`) is picked from the same range unless `extra_args` sets it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import psutil
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT_RANGE: tuple[int, int] = (33000, 33099)  # inclusive
+_PORTS_HANDED_OUT: set[int] = set()  # ports picked by this process (not yet bound by SGLang)
+
+
+def cpu_args(max_total_tokens: int) -> list[str]:
+    """SGLang 0.5.23 server flags for a CPU-only machine.
+
+    `--device cpu --attention-backend torch_native` select the CPU path; `--max-total-tokens`
+    bounds the KV pool (without it the pool takes ~15 GB); `--sleep-on-idle` stops the idle
+    scheduler from spinning a core; `--dtype float32` keeps greedy outputs comparable with
+    HF transformers; `--enable-cache-report` fills `usage.prompt_tokens_details.cached_tokens`;
+    `--enable-metrics` serves Prometheus metrics on `/metrics`.
+
+    Args:
+        max_total_tokens: Capacity of the device KV pool, in tokens (> 0).
+
+    Returns:
+        The flags, to pass as (part of) `ServerProcess(extra_args=...)`.
+
+    Raises:
+        ValueError: If `max_total_tokens` is not positive.
+    """
+    if max_total_tokens <= 0:
+        raise ValueError(f"max_total_tokens must be > 0, got {max_total_tokens}")
+    return [
+        "--device", "cpu",
+        "--attention-backend", "torch_native",
+        "--max-total-tokens", str(max_total_tokens),
+        "--sleep-on-idle",
+        "--dtype", "float32",
+        "--enable-cache-report",
+        "--enable-metrics",
+    ]  # fmt: skip
+
+
+def cpu_env() -> dict[str, str]:
+    """Environment variables SGLang 0.5.23 needs on a CPU-only machine.
+
+    `SGLANG_USE_CPU_ENGINE=1`: without it the rotary embedding tries to import vLLM's ops.
+
+    Returns:
+        Variables to merge into the server's environment (`ServerProcess(env=...)`).
+    """
+    return {"SGLANG_USE_CPU_ENGINE": "1"}
+
+
+def _port_range_from_env() -> tuple[int, int]:
+    text = os.environ.get("HIRADIX_PORT_RANGE")
+    if not text:
+        return DEFAULT_PORT_RANGE
+    try:
+        low_text, high_text = text.split("-")
+        low, high = int(low_text), int(high_text)
+    except ValueError as exc:
+        raise ValueError(f"HIRADIX_PORT_RANGE must look like '33000-33099', got {text!r}") from exc
+    if not 0 < low <= high < 65536:
+        raise ValueError(f"HIRADIX_PORT_RANGE out of order or bounds: {text!r}")
+    return low, high
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def pick_free_port(port_range: tuple[int, int] | None = None) -> int:
+    """Pick a TCP port that is free now, from an inclusive range, in random order.
+
+    Ports returned earlier by this process are skipped, so two servers started from one
+    process never get the same port. Another process can still take the port before
+    SGLang binds it; the server then fails to start and says so in its log.
+
+    Args:
+        port_range: `(low, high)`, inclusive. Default: `HIRADIX_PORT_RANGE` or
+            `DEFAULT_PORT_RANGE`.
+
+    Returns:
+        A port number.
+
+    Raises:
+        RuntimeError: If no port in the range is free.
+    """
+    low, high = port_range or _port_range_from_env()
+    candidates = [p for p in range(low, high + 1) if p not in _PORTS_HANDED_OUT]
+    random.shuffle(candidates)
+    for port in candidates:
+        if _port_is_free(port):
+            _PORTS_HANDED_OUT.add(port)
+            return port
+    raise RuntimeError(f"no free TCP port in {low}-{high}")
+
+
+class ServerStartError(RuntimeError):
+    """The server process exited, or did not become healthy in time; the message has the log tail."""
+
+
+class ServerProcess:
+    """A `python -m sglang.launch_server` subprocess, used as a context manager.
+
+    Attributes:
+        model_path: Path (or HF id) passed as `--model-path`.
+        host: Address the server binds and clients use.
+        port: HTTP port of the server.
+        nccl_port: torch.distributed port passed as `--nccl-port` (None if in `extra_args`).
+        log_path: File that receives the server's stdout and stderr.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        port: int | None = None,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_path: str | os.PathLike | None = None,
+        *,
+        host: str = "127.0.0.1",
+        startup_timeout_s: float = 300.0,
+        stop_grace_s: float = 15.0,
+        python: str = sys.executable,
+    ) -> None:
+        """Describe the server; nothing starts until `start()` or `with`.
+
+        Args:
+            model_path: Model directory (or HF id) for `--model-path`.
+            port: HTTP port; None picks a free one (see `pick_free_port`).
+            extra_args: More `launch_server` flags, e.g. `cpu_args(4096) + ["--enable-hiradix"]`.
+            env: Variables added to (and overriding) this process's environment, e.g. `cpu_env()`.
+            log_path: Where to write the server log; None uses a temporary file (kept).
+            host: Bind address.
+            startup_timeout_s: Seconds to wait for `/health` before giving up.
+            stop_grace_s: Seconds between SIGTERM and SIGKILL when stopping.
+            python: Interpreter used to run `-m sglang.launch_server`.
+        """
+        self.model_path = str(model_path)
+        self.host = host
+        self.port = port if port is not None else pick_free_port()
+        self.extra_args = list(extra_args)
+        self.nccl_port = None if "--nccl-port" in self.extra_args else pick_free_port()
+        self.env = dict(env or {})
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"sglang-{self.port}-", suffix=".log")
+            os.close(fd)
+            log_path = name
+        self.log_path = Path(log_path)
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self.python = python
+        self._proc: subprocess.Popen | None = None
+        self._log_file = None
+        self.startup_s: float | None = None  # seconds from spawn to healthy
+
+    @property
+    def base_url(self) -> str:
+        """`http://host:port`, without a trailing slash."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the launcher process (also the process-group id), or None before start."""
+        return self._proc.pid if self._proc is not None else None
+
+    def command(self) -> list[str]:
+        """The full command line that `start()` runs."""
+        cmd = [self.python, "-m", "sglang.launch_server", "--model-path", self.model_path,
+               "--host", self.host, "--port", str(self.port)]  # fmt: skip
+        if self.nccl_port is not None:
+            cmd += ["--nccl-port", str(self.nccl_port)]
+        return cmd + self.extra_args
+
+    def start(self, wait: bool = True) -> "ServerProcess":
+        """Spawn the server (in a new session) and, by default, wait until it is healthy.
+
+        Returns:
+            self.
+
+        Raises:
+            RuntimeError: If already started.
+            ServerStartError: If the process exits before it is healthy or the timeout passes
+                (the process group is stopped first).
+        """
+        if self._proc is not None:
+            raise RuntimeError("server already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab")
+        cmd = self.command()
+        self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
+        self._log_file.flush()
+        self._spawn_t = time.monotonic()
+        self._proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env},
+            start_new_session=True,
+        )
+        logger.info("started sglang pid=%d on %s (log %s)", self._proc.pid, self.base_url, self.log_path)
+        if wait:
+            try:
+                self.wait_healthy()
+            except BaseException:
+                self.stop()
+                raise
+        return self
+
+    def wait_healthy(self, timeout_s: float | None = None, poll_s: float = 0.5) -> None:
+        """Block until `GET /health` returns 200.
+
+        Args:
+            timeout_s: Seconds to wait; default `startup_timeout_s`.
+            poll_s: Seconds between probes.
+
+        Raises:
+            RuntimeError: If not started.
+            ServerStartError: If the process exits or the timeout passes.
+        """
+        if self._proc is None:
+            raise RuntimeError("server not started")
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.startup_timeout_s)
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                raise ServerStartError(
+                    f"sglang exited with code {code} before becoming healthy; log {self.log_path}:\n"
+                    + self.log_tail()
+                )
+            if self.is_healthy():
+                self.startup_s = time.monotonic() - self._spawn_t
+                logger.info("sglang on %s healthy after %.1f s", self.base_url, self.startup_s)
+                return
+            if time.monotonic() > deadline:
+                raise ServerStartError(
+                    f"sglang not healthy after {timeout_s or self.startup_timeout_s:.0f} s; "
+                    f"log {self.log_path}:\n" + self.log_tail()
+                )
+            time.sleep(poll_s)
+
+    def is_healthy(self, timeout_s: float = 5.0) -> bool:
+        """True if `GET /health` answers 200 now."""
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=timeout_s) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def descendants(self) -> list[psutil.Process]:
+        """Live processes started by the server: its descendants and its process group.
+
+        Children orphaned by a dead launcher are no longer its descendants but stay in its
+        process group, so both are collected. Empty before `start()`.
+        """
+        if self._proc is None:
+            return []
+        found: dict[int, psutil.Process] = {}
+        try:
+            for child in psutil.Process(self._proc.pid).children(recursive=True):
+                found[child.pid] = child
+        except psutil.NoSuchProcess:
+            pass
+        for process in psutil.process_iter():
+            try:
+                if process.pid != self._proc.pid and os.getpgid(process.pid) == self._proc.pid:
+                    found.setdefault(process.pid, process)
+            except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
+                continue
+        return [p for p in found.values() if _is_alive(p)]
+
+    def stop(self) -> int | None:
+        """Stop the launcher and all its descendants; safe to call more than once.
+
+        SIGTERM goes to the whole process group; after `stop_grace_s`, SIGKILL goes to the
+        group and to every descendant (collected before SIGTERM) that is still alive.
+
+        Returns:
+            The launcher's exit code (negative: killed by that signal), or None if never started.
+        """
+        if self._proc is None:
+            return None
+        proc, pgid = self._proc, self._proc.pid  # new session: the pgid is the launcher's pid
+        tracked = self.descendants()
+        if proc.poll() is None or tracked:
+            # The launcher is not reaped yet (no wait() so far), so its pgid cannot be reused.
+            _signal_group(pgid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=self.stop_grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+            _, alive = psutil.wait_procs(tracked, timeout=max(1.0, self.stop_grace_s / 3))
+            alive = [p for p in alive if _is_alive(p)]  # zombies wait for init to reap them
+            if proc.poll() is None or alive:
+                logger.warning("sglang pid=%d: %d process(es) ignored SIGTERM; sending SIGKILL",
+                               pgid, len(alive) + (proc.poll() is None))
+                if proc.poll() is None:
+                    _signal_group(pgid, signal.SIGKILL)
+                for child in alive:
+                    _kill_quietly(child)
+                psutil.wait_procs(alive, timeout=5)
+        code = proc.wait()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        return code
+
+    def log_text(self) -> str:
+        """The whole server log so far (decoded as UTF-8, undecodable bytes replaced)."""
+        try:
+            return self.log_path.read_bytes().decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        """The last `num_lines` lines of the server log."""
+        return "\n".join(self.log_text().splitlines()[-num_lines:])
+
+    def __enter__(self) -> "ServerProcess":
+        if self._proc is None:
+            self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _is_alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _kill_quietly(process: psutil.Process) -> None:
+    try:
+        process.kill()
+    except psutil.NoSuchProcess:
+        pass
