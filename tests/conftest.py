@@ -51,9 +51,13 @@ def cpu_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def tiny_model() -> Path:
-    """models/tiny (built by scripts/make_model.py); skips the test when missing."""
+def tiny_model(venv_python: str) -> Path:
+    """models/tiny, built by scripts/make_model.py if missing (idempotent, a few seconds)."""
+    import subprocess
+
     path = REPO_ROOT / "models" / "tiny"
-    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
-        pytest.skip("models/tiny is missing: run scripts/make_model.py --preset tiny")
+    subprocess.run(
+        [venv_python, str(REPO_ROOT / "scripts" / "make_model.py"), "--preset", "tiny", "--out", str(path)],
+        check=True,
+    )
     return path

@@ -401,14 +401,6 @@ def test_cpu_args_are_explicit():
 # ---------------------------------------------------------------- end to end, real SGLang
 
 
-@pytest.fixture(scope="module")
-def tiny_model() -> Path:
-    out = REPO_ROOT / "models" / "tiny"
-    script = REPO_ROOT / "scripts" / "make_model.py"
-    if not script.exists():
-        pytest.skip("scripts/make_model.py not available")
-    subprocess.run([sys.executable, str(script), "--preset", "tiny", "--out", str(out)], check=True)
-    return out
 
 
 @pytest.mark.e2e

@@ -96,12 +96,12 @@ def test_tiers_histories_return_from_dram_and_nvme(tiny_model: Path, tmp_path: P
     nvme_dir = tmp_path / "nvme"
     nvme_dir.mkdir()
     # ~20 sessions x 4 turns x ~150 tokens: the working set is ~4x the 2048-token HBM pool
-    # and far more than the DRAM tier (0.002 GB = 2 MB ~ 480 tokens of the tiny model).
+    # and more than the DRAM tier (0.006 GB ~ 183 pages ~ 2.9k tokens of the tiny model).
     with start(tiny_model, tmp_path / "stock.log", 32768, []) as stock:
         expected = run_sessions(stock.base_url, sessions=20, turns=4, words=25)
     flags = [
         "--enable-hiradix",
-        "--hiradix-dram-gb", "0.002",
+        "--hiradix-dram-gb", "0.006",
         "--hiradix-nvme-path", str(nvme_dir),
         "--hiradix-nvme-gb", "0.2",
         "--hiradix-policy", "lru",
