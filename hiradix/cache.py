@@ -80,7 +80,7 @@ class HiRadixCache(BasePrefixCache):
         if kv_pool is not None:
             from hiradix.tiering import TierController
 
-            self.tiers = TierController(self.tree, config, kv_pool, self.page_size, tp_rank)
+            self.tiers = TierController.for_device_pool(self.tree, config, kv_pool, self.page_size, tp_rank)
         if params.enable_metrics:
             self.init_metrics_collector()
         logger.info(
@@ -221,8 +221,8 @@ class HiRadixCache(BasePrefixCache):
             keys.append((key.raw_token_ids(), _namespace(key)))
         free_bytes, per_token = 0, 0
         if self.tiers is not None:
-            free_bytes = self.tiers.reclaimable_dram_pages() * self.tiers.layout.page_bytes
-            per_token = self.tiers.layout.page_bytes // self.page_size
+            free_bytes = self.tiers.reclaimable_dram_pages() * self.tiers.page_bytes
+            per_token = self.tiers.page_bytes // self.page_size
         view = plan(self.tree, keys, self.config.lookahead_window, free_bytes, max(per_token, 1))
         self.tree.policy.update(view.needed_at)
         if self.tiers is not None:

@@ -86,6 +86,10 @@ class HostMover:
         self.loader.submit(op.op_id, copy_layer)
         self.bytes_moved[Kind.PROMOTE] += len(pages) * self.layout.page_bytes
 
+    def start_loading(self) -> int:
+        """Start the promotions queued for the batch being built; returns its consumer index."""
+        return self.loader.start()
+
     # ------------------------------------------------------------ completion
     def finished(self) -> list[int]:
         """Op ids of backups and promotions that have fully landed (CPU backups run now)."""

@@ -20,7 +20,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from hiradix.io.client import IOWorkerClient
 from hiradix.io.protocol import LoadPages, StorePages, WorkerSpec
@@ -50,67 +50,102 @@ class TierStats:
     load_back_s: float = 0.0
 
 
+def _start_worker(dram: DramPool, nvme_dir: Path, nvme_slots: int, shm_dir: Path, io_backend: str) -> IOWorkerClient:
+    """Create the NVMe slot file and spawn this rank's I/O worker over it."""
+    store = NvmeStore.create(nvme_dir, dram.layout.page_bytes, nvme_slots, backend=io_backend)
+    backend = store.backend
+    store.close()  # the worker owns NVMe I/O; this process only created the file
+    spec = WorkerSpec(
+        dram_path=str(dram.path),
+        layout=dram.layout.to_json(),
+        num_dram_pages=dram.num_pages,
+        nvme_dir=str(nvme_dir),
+        num_nvme_slots=nvme_slots,
+        page_bytes=dram.layout.page_bytes,
+        io_backend=backend,
+        socket_dir=str(shm_dir / "sock"),
+        parent_pid=os.getpid(),
+    )
+    client = IOWorkerClient(spec)
+    client.start()
+    return client
+
+
 class TierController:
     """Runs the DRAM and NVMe tiers of one tree (one TP rank).
 
+    Build the real one with :meth:`for_device_pool`; the data-less simulator passes stand-in
+    movers with the same methods (``hiradix.simulated``), so the decisions are the same code.
+
     Args:
         tree: the tree whose nodes move.
-        config: hiradix settings (``dram_bytes``, ``nvme_path``, ``nvme_bytes``, ``write_policy``).
-        kv_pool: SGLang's device ``MHATokenToKVPool`` of this rank.
-        page_size: tokens per page.
-        tp_rank: this rank (names the private directories).
-        io_backend: NVMe backend for the worker ("auto", "posix", "kvikio").
-
-    Raises:
-        OSError, PermissionError: a tier's files cannot be created.
-        hiradix.io.client.WorkerStartError: the I/O worker did not start.
+        books: its DRAM/NVMe books.
+        mover: carries out BACKUP/PROMOTE (``backup``, ``promote``, ``finished``, ``flush``,
+            ``drop_pending``, ``start_loading``).
+        client: carries out DEMOTE/PREFETCH (``submit``, ``poll``, ``wait``, ``check_alive``,
+            ``disabled``, ``close``); None without an NVMe tier.
+        page_bytes: bytes per page (all layers), for the counters.
+        write_through: back up to DRAM at insert (else at HBM eviction).
+        clock: monotonic seconds (injectable for the simulator).
     """
 
-    def __init__(self, tree: TieredRadixTree, config: Any, kv_pool: Any, page_size: int, tp_rank: int = 0, io_backend: str = "auto"):
+    def __init__(
+        self,
+        tree: TieredRadixTree,
+        books: TierBooks,
+        mover: Any,
+        client: Optional[Any],
+        page_bytes: int,
+        write_through: bool,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.tree = tree
-        self.config = config
-        self.layout = KVLayout.from_device_pool(kv_pool, page_size)
-        self.write_through = config.write_policy == "write_through"
+        self.books = books
+        self.mover = mover  # HostMover (or a data-less stand-in): backup/promote/finished/flush
+        self.client = client  # IOWorkerClient (or a data-less stand-in), None without NVMe
+        self.page_bytes = page_bytes
+        self.write_through = write_through
+        self.clock = clock
         self.stats = TierStats()
-        self._shm_dir = Path(f"{default_shm_dir()}-rank{tp_rank}")
-        dram_pages = num_pages_for_bytes(config.dram_bytes, self.layout)
-        self.dram = DramPool.create(self.layout, dram_pages, self._shm_dir)
-        self.store: Optional[NvmeStore] = None
-        self.client: Optional[IOWorkerClient] = None
-        nvme_slots = 0
-        if config.nvme_bytes > 0:
-            nvme_slots = config.nvme_bytes // slot_bytes_for(self.layout.page_bytes)
-            self._start_nvme(nvme_slots, tp_rank, io_backend)
-        self.books = TierBooks(tree, dram_pages, nvme_slots, dram_free_low_pages=int(DRAM_FREE_LOW * dram_pages))
-        device = kv_pool.k_buffer[0].device
-        self.loader = LayerwiseLoader(self.layout.num_layers, device)
-        self.mover = HostMover(kv_pool, self.dram, self.loader)
+        self.loader: Optional[LayerwiseLoader] = getattr(mover, "loader", None)
         self._prefetch_deadline_s: dict[int, float] = {}  # PREFETCH op id -> give-up time
         self._last_summary_s = 0.0
-        logger.info(
-            "hiradix tiers: DRAM %d pages (%d B each) at %s; NVMe %d slots%s",
-            dram_pages, self.layout.page_bytes, self.dram.path, nvme_slots,
-            f" at {self.store.path}" if self.store else "",
-        )
+        self._resources: list[Callable[[], None]] = []  # called by close()
 
-    def _start_nvme(self, nvme_slots: int, tp_rank: int, io_backend: str) -> None:
-        nvme_dir = Path(self.config.nvme_path) / f"hiradix-rank{tp_rank}"
-        self.store = NvmeStore.create(nvme_dir, self.layout.page_bytes, nvme_slots, backend=io_backend)
-        backend = self.store.backend
-        self.store.close()  # the worker owns NVMe I/O; this process only created the file
-        spec = WorkerSpec(
-            dram_path=str(self.dram.path),
-            layout=self.layout.to_json(),
-            num_dram_pages=self.dram.num_pages,
-            nvme_dir=str(nvme_dir),
-            num_nvme_slots=nvme_slots,
-            page_bytes=self.layout.page_bytes,
-            io_backend=backend,
-            socket_dir=str(self._shm_dir / "sock"),
-            parent_pid=os.getpid(),
-        )
-        self.client = IOWorkerClient(spec)
-        self.client.start()
+    @classmethod
+    def for_device_pool(
+        cls, tree: TieredRadixTree, config: Any, kv_pool: Any, page_size: int, tp_rank: int = 0, io_backend: str = "auto"
+    ) -> TierController:
+        """The real tiers of one scheduler process: a shared-memory DRAM pool, an NVMe store
+        served by a spawned I/O worker, and the in-process host mover.
+
+        Args:
+            tree: the tree whose nodes move.
+            config: hiradix settings (``dram_bytes``, ``nvme_path``, ``nvme_bytes``, ``write_policy``).
+            kv_pool: SGLang's device ``MHATokenToKVPool`` of this rank.
+            page_size: tokens per page.
+            tp_rank: this rank (names the private directories).
+            io_backend: NVMe backend for the worker ("auto", "posix", "kvikio").
+
+        Raises:
+            OSError, PermissionError: a tier's files cannot be created.
+            hiradix.io.client.WorkerStartError: the I/O worker did not start.
+        """
+        layout = KVLayout.from_device_pool(kv_pool, page_size)
+        shm_dir = Path(f"{default_shm_dir()}-rank{tp_rank}")
+        dram_pages = num_pages_for_bytes(config.dram_bytes, layout)
+        dram = DramPool.create(layout, dram_pages, shm_dir)
+        client, nvme_slots = None, 0
+        if config.nvme_bytes > 0:
+            nvme_slots = config.nvme_bytes // slot_bytes_for(layout.page_bytes)
+            client = _start_worker(dram, Path(config.nvme_path) / f"hiradix-rank{tp_rank}", nvme_slots, shm_dir, io_backend)
+        books = TierBooks(tree, dram_pages, nvme_slots, dram_free_low_pages=int(DRAM_FREE_LOW * dram_pages))
+        loader = LayerwiseLoader(layout.num_layers, kv_pool.k_buffer[0].device)
+        mover = HostMover(kv_pool, dram, loader)
+        tiers = cls(tree, books, mover, client, layout.page_bytes, config.write_policy == "write_through")
+        tiers._resources += [dram.close, dram.unlink, lambda: shutil.rmtree(shm_dir, ignore_errors=True)]
+        logger.info("hiradix tiers: DRAM %d pages (%d B each) at %s; NVMe %d slots", dram_pages, layout.page_bytes, dram.path, nvme_slots)
+        return tiers
 
     # ------------------------------------------------------------ backups
     def after_insert(self, new_nodes: list[TreeNode]) -> None:
@@ -155,10 +190,10 @@ class TierController:
         (least valuable first by the policy) even while NVMe has room.
         """
         op = self.books.prepare(Kind.BACKUP, [node])
-        deadline_s = time.monotonic() + DEMOTION_WAIT_S
-        while op is None and self.books.in_flight(Kind.DEMOTE) and time.monotonic() < deadline_s:
+        deadline_s = self.clock() + DEMOTION_WAIT_S
+        while op is None and self.books.in_flight(Kind.DEMOTE) and self.clock() < deadline_s:
             # DRAM is full of last copies on their way to NVMe: let some land (bounded).
-            self._apply_worker_acks(self.client.wait(deadline_s - time.monotonic()))
+            self._apply_worker_acks(self.client.wait(deadline_s - self.clock()))
             op = self.books.prepare(Kind.BACKUP, [node])
         op = op or self.books.prepare(Kind.BACKUP, [node], allow_drop=True)
         if op is None:
@@ -177,12 +212,12 @@ class TierController:
         from_nvme = sum(n.num_tokens for n in nodes if n.nvme_loaded)
         op = self.books.prepare(Kind.PROMOTE, nodes, hbm_slots=hbm_slots)
         self.mover.promote(op)
-        self.stats.bytes_moved[Kind.PROMOTE.name] += len(op.src_ids) * self.layout.page_bytes
+        self.stats.bytes_moved[Kind.PROMOTE.name] += len(op.src_ids) * self.page_bytes
         return from_nvme
 
     def start_loading(self) -> int:
         """Start the promotions queued for the batch being built; returns its consumer index."""
-        return self.loader.start()
+        return self.mover.start_loading()
 
     # ------------------------------------------------------------ prefetch
     def prefetch(self, nodes: list[TreeNode], timeout_s: float) -> bool:
@@ -201,12 +236,12 @@ class TierController:
         if op is None:
             return busy
         self.client.submit(LoadPages(op.op_id, op.src_ids, op.dst_ids))
-        self._prefetch_deadline_s[op.op_id] = time.monotonic() + timeout_s
+        self._prefetch_deadline_s[op.op_id] = self.clock() + timeout_s
         return True
 
     def prefetch_pending(self, nodes: list[TreeNode]) -> bool:
         """Whether a read for one of ``nodes`` is still in flight and within its timeout."""
-        now = time.monotonic()
+        now = self.clock()
         for node in nodes:
             for op_id in node.ops:
                 if op_id in self._prefetch_deadline_s and self._prefetch_deadline_s[op_id] > now:
@@ -221,7 +256,7 @@ class TierController:
     # ------------------------------------------------------------ per step
     def step(self) -> None:
         """Reap finished copies and worker acks; keep DRAM headroom by demoting to NVMe."""
-        now = time.monotonic()
+        now = self.clock()
         if now - self._last_summary_s > 10.0:
             self._last_summary_s = now
             logger.info("hiradix: %s", self.summary())
@@ -251,13 +286,13 @@ class TierController:
             if op is not None and not all(done.ok):
                 self.stats.transfers_failed[op.kind.name] += 1
             elif op is not None:
-                self.stats.bytes_moved[op.kind.name] += len(op.src_ids) * self.layout.page_bytes
+                self.stats.bytes_moved[op.kind.name] += len(op.src_ids) * self.page_bytes
 
     def _reap(self, op_ids: list[int]) -> None:
         for op_id in op_ids:
             op = self.books.complete(op_id, True)
             if op is not None and op.kind == Kind.BACKUP:
-                self.stats.bytes_moved[Kind.BACKUP.name] += len(op.src_ids) * self.layout.page_bytes
+                self.stats.bytes_moved[Kind.BACKUP.name] += len(op.src_ids) * self.page_bytes
 
     def _demote_last_copies(self) -> None:
         """Copy every DRAM-only node down to NVMe (policy order, bounded in flight).
@@ -290,9 +325,9 @@ class TierController:
         self._prefetch_deadline_s.clear()
 
     def close(self) -> None:
-        """Stop the worker and remove this rank's shared-memory files."""
+        """Stop the worker and release this rank's shared-memory files."""
         if self.client is not None:
             self.client.close()
-        self.dram.close()
-        self.dram.unlink()
-        shutil.rmtree(self._shm_dir, ignore_errors=True)
+        for release in self._resources:
+            release()
+        self._resources.clear()
