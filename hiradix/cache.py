@@ -81,8 +81,13 @@ class HiRadixCache(BasePrefixCache):
             from hiradix.tiering import TierController
 
             self.tiers = TierController.for_device_pool(self.tree, config, kv_pool, self.page_size, tp_rank)
+        self.tier_metrics = None
         if params.enable_metrics:
             self.init_metrics_collector()
+            if self.tiers is not None:
+                from hiradix.metrics import TierMetrics
+
+                self.tier_metrics = TierMetrics({"tp_rank": str(tp_rank)})
         logger.info(
             "hiradix: HiRadixCache in use (page_size=%d tokens, policy=%s, write_policy=%s)",
             self.page_size,
@@ -157,7 +162,9 @@ class HiRadixCache(BasePrefixCache):
         tokens = (req.origin_input_ids + req.output_ids)
         key = RadixKey(tokens, req.extra_key, cache_salt=req.cache_salt).page_aligned(self.page_size)
         m = self.tree.match(key.raw_token_ids(), _namespace(key), split=False, touch=False)
-        return m.nvme_len > 0 and self.tiers.prefetch_pending(self._stage_nodes(m, Tier.NVME))
+        wait = m.nvme_len > 0 and self.tiers.prefetch_pending(self._stage_nodes(m, Tier.NVME))
+        self.tiers.stats.admission_skips += wait
+        return wait
 
     def init_load_back(self, params: InitLoadBackParams) -> Optional[tuple[int, Any]]:
         """Promote the DRAM part of a match into new HBM slots (layer by layer, all or none).
@@ -203,6 +210,8 @@ class HiRadixCache(BasePrefixCache):
         """Per scheduler step: reap finished copies and worker acks, keep DRAM headroom."""
         if self.tiers is not None:
             self.tiers.step()
+            if self.tier_metrics is not None:
+                self.tier_metrics.update(self.tiers.stats, self.tiers.books, self.tree.tier_tokens, self.last_view)
         if self.check_every_step:
             self.check_integrity()
 
@@ -219,15 +228,12 @@ class HiRadixCache(BasePrefixCache):
             key = RadixKey(req.origin_input_ids + req.output_ids, req.extra_key, cache_salt=req.cache_salt)
             key = key.page_aligned(self.page_size)
             keys.append((key.raw_token_ids(), _namespace(key)))
-        free_bytes, per_token = 0, 0
-        if self.tiers is not None:
-            free_bytes = self.tiers.reclaimable_dram_pages() * self.tiers.page_bytes
-            per_token = self.tiers.page_bytes // self.page_size
-        view = plan(self.tree, keys, self.config.lookahead_window, free_bytes, max(per_token, 1))
+        free_pages = self.tiers.books.dram.num_free if self.tiers is not None else 0
+        view = plan(self.tree, keys, self.config.lookahead_window, free_pages)
         self.tree.policy.update(view.needed_at)
         if self.tiers is not None:
             for nodes in view.prefetch:
-                self.tiers.prefetch(nodes, self.config.load_timeout_s)
+                self.tiers.prefetch(nodes, self.config.load_timeout_s, ahead=True)
         self.last_view = view
         return view
 

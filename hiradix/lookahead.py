@@ -5,7 +5,7 @@ no splits, no access-time updates) which tree nodes each will need and where the
 Every needed node gets the earliest queue position that needs it; the ``lookahead`` policy
 (:class:`hiradix.policy.LookaheadPolicy`) ranks eviction candidates with it, and the requests
 inside the prefetch window ``L_pw`` = free DRAM bytes / mean KV bytes per queued request
-(capped by ``W``) get their NVMe-only nodes read into DRAM ahead of admission.
+(capped by ``W``; both in pages) get their NVMe-only nodes read into DRAM ahead of admission.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ def plan(
     tree: TieredRadixTree,
     keys: Sequence[tuple[Sequence[int], Optional[tuple]]],
     window: int,
-    free_dram_bytes: int,
-    kv_bytes_per_token: int,
+    free_dram_pages: int,
 ) -> QueueView:
     """Inspect the first ``window`` queued requests.
 
@@ -40,31 +39,42 @@ def plan(
         tree: the tree (only peeked: nothing is split, nothing touched).
         keys: per queued request, in queue order: ``(token ids, namespace)``.
         window: ``W``, at most this many requests are inspected (``--hiradix-lookahead-window``).
-        free_dram_bytes: DRAM bytes free now, for ``L_pw``.
-        kv_bytes_per_token: KV bytes of one token across all layers (this rank).
+        free_dram_pages: free DRAM pages now. Redundant DRAM copies (the node is on another
+            tier too) that no request in the window needs count as free as well: a prefetch
+            may evict them (backups never block prefetch).
 
     Returns:
-        The :class:`QueueView` of this step.
+        The :class:`QueueView` of this step; ``L_pw`` = reclaimable DRAM pages / mean pages
+        per inspected request (the paper's C_free / S_kv, both in pages), capped by ``W``.
     """
     view = QueueView()
     inspected = list(keys[:window])
     view.window = len(inspected)
     if not inspected:
         return view
-    mean_tokens = sum(len(t) for t, _ in inspected) / len(inspected)
-    mean_bytes = max(1.0, mean_tokens * kv_bytes_per_token)
-    view.prefetch_window = min(len(inspected), int(free_dram_bytes // mean_bytes))
-    for pos, (tokens, namespace) in enumerate(inspected):
-        m = tree.match(tokens, namespace, split=False, touch=False)
+    matches = [tree.match(tokens, namespace, split=False, touch=False) for tokens, namespace in inspected]
+    for pos, m in enumerate(matches):
         for node in m.nodes:
             view.needed_at.setdefault(node.id, pos)
-        if pos < view.prefetch_window and m.nvme_len:
-            skip = m.hbm_len + m.dram_len
-            nodes, seen = [], 0
-            for node in m.nodes:
-                if seen >= skip and node.in_tier(Tier.NVME) and not node.in_tier(Tier.DRAM):
-                    nodes.append(node)
-                seen += node.num_tokens
-            view.prefetch.append(nodes)
     view.protected_nodes = len(view.needed_at)
+    reclaimable = free_dram_pages + sum(
+        len(n.dram_pages)
+        for n in tree.candidates(Tier.DRAM)
+        if len(n.tiers()) > 1 and n.id not in view.needed_at
+    )
+    mean_pages = max(1.0, sum(len(t) for t, _ in inspected) / len(inspected) / tree.page_size)
+    view.prefetch_window = min(len(inspected), int(reclaimable // mean_pages))
+    for m in matches[: view.prefetch_window]:
+        if m.nvme_len:
+            view.prefetch.append(_nvme_tail(m))
     return view
+
+
+def _nvme_tail(m) -> list[TreeNode]:
+    """The NVMe-only nodes after a match's HBM and DRAM parts."""
+    skip, seen, nodes = m.hbm_len + m.dram_len, 0, []
+    for node in m.nodes:
+        if seen >= skip and node.in_tier(Tier.NVME) and not node.in_tier(Tier.DRAM):
+            nodes.append(node)
+        seen += node.num_tokens
+    return nodes

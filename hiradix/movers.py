@@ -47,7 +47,6 @@ class HostMover:
         self.cuda = loader.cuda
         self._backups: list[_Backup] = []
         self._stream = torch.cuda.Stream() if self.cuda else None
-        self.bytes_moved = {Kind.BACKUP: 0, Kind.PROMOTE: 0}
 
     def _k(self) -> list[torch.Tensor]:
         return self.kv_pool.k_buffer
@@ -71,7 +70,6 @@ class HostMover:
     def _copy_backup(self, op: Transfer) -> None:
         slots = torch.as_tensor(op.hbm_slots, dtype=torch.int64, device=self._k()[0].device)
         kv_layout.store_pages(self._k(), self._v(), slots, self.dram.tensor, op.dst_ids, self.layout)
-        self.bytes_moved[Kind.BACKUP] += len(op.dst_ids) * self.layout.page_bytes
 
     # --------------------------------------------------------------- promote
     def promote(self, op: Transfer) -> None:
@@ -84,7 +82,6 @@ class HostMover:
             kv_layout.load_layer(self._k()[layer], self._v()[layer], layer, self.dram.tensor, pages, slots, self.layout)
 
         self.loader.submit(op.op_id, copy_layer)
-        self.bytes_moved[Kind.PROMOTE] += len(pages) * self.layout.page_bytes
 
     def start_loading(self) -> int:
         """Start the promotions queued for the batch being built; returns its consumer index."""

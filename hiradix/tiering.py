@@ -47,7 +47,12 @@ class TierStats:
 
     bytes_moved: dict[str, int] = field(default_factory=lambda: {k.name: 0 for k in Kind})
     transfers_failed: dict[str, int] = field(default_factory=lambda: {k.name: 0 for k in Kind})
-    load_back_s: float = 0.0
+    # NVMe -> DRAM prefetch, in tokens: started, completed (landed in DRAM), failed,
+    # used (promoted to HBM for a request), wasted (dropped from DRAM before any use).
+    prefetch_tokens: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(("started", "completed", "failed", "used", "wasted"), 0)
+    )
+    admission_skips: int = 0  # times admission skipped a request waiting for its prefetch
 
 
 def _start_worker(dram: DramPool, nvme_dir: Path, nvme_slots: int, shm_dir: Path, io_backend: str) -> IOWorkerClient:
@@ -210,9 +215,9 @@ class TierController:
             Tokens whose DRAM copy had been read from NVMe (for the per-tier hit details).
         """
         from_nvme = sum(n.num_tokens for n in nodes if n.nvme_loaded)
+        self.stats.prefetch_tokens["used"] += from_nvme
         op = self.books.prepare(Kind.PROMOTE, nodes, hbm_slots=hbm_slots)
         self.mover.promote(op)
-        self.stats.bytes_moved[Kind.PROMOTE.name] += len(op.src_ids) * self.page_bytes
         return from_nvme
 
     def start_loading(self) -> int:
@@ -220,8 +225,13 @@ class TierController:
         return self.mover.start_loading()
 
     # ------------------------------------------------------------ prefetch
-    def prefetch(self, nodes: list[TreeNode], timeout_s: float) -> bool:
+    def prefetch(self, nodes: list[TreeNode], timeout_s: float, ahead: bool = False) -> bool:
         """Start NVMe -> DRAM reads of NVMe-only ``nodes`` (a matched path's tail).
+
+        Args:
+            nodes: the NVMe-only tail of one request's matched path.
+            timeout_s: how long the request may wait for them at admission.
+            ahead: started by the look-ahead window (the pages then count as DRAM hits).
 
         Returns:
             True if a read is in flight for these nodes (started now or earlier).
@@ -232,10 +242,11 @@ class TierController:
         busy = any(n.pinned[Tier.NVME] > 0 for n in nodes)
         if not todo:
             return busy
-        op = self.books.prepare(Kind.PREFETCH, todo)
+        op = self.books.prepare(Kind.PREFETCH, todo, ahead=ahead)
         if op is None:
             return busy
         self.client.submit(LoadPages(op.op_id, op.src_ids, op.dst_ids))
+        self.stats.prefetch_tokens["started"] += len(op.src_ids) * self.tree.page_size
         self._prefetch_deadline_s[op.op_id] = self.clock() + timeout_s
         return True
 
@@ -247,11 +258,6 @@ class TierController:
                 if op_id in self._prefetch_deadline_s and self._prefetch_deadline_s[op_id] > now:
                     return True
         return False
-
-    def reclaimable_dram_pages(self) -> int:
-        """Free DRAM pages plus pages of redundant copies (evictable without loss)."""
-        redundant = sum(len(n.dram_pages) for n in self.tree.candidates(Tier.DRAM) if len(n.tiers()) > 1)
-        return self.books.dram.num_free + redundant
 
     # ------------------------------------------------------------ per step
     def step(self) -> None:
@@ -283,16 +289,21 @@ class TierController:
         for done in acks:
             op = self.books.complete(done.job_id, done.ok)
             self._prefetch_deadline_s.pop(done.job_id, None)
-            if op is not None and not all(done.ok):
+            if op is None:
+                continue
+            ok_pages = sum(bool(f) for f in done.ok)
+            self.stats.bytes_moved[op.kind.name] += ok_pages * self.page_bytes
+            if ok_pages < len(op.src_ids):
                 self.stats.transfers_failed[op.kind.name] += 1
-            elif op is not None:
-                self.stats.bytes_moved[op.kind.name] += len(op.src_ids) * self.page_bytes
+            if op.kind == Kind.PREFETCH:
+                self.stats.prefetch_tokens["completed"] += ok_pages * self.tree.page_size
+                self.stats.prefetch_tokens["failed"] += (len(op.src_ids) - ok_pages) * self.tree.page_size
 
     def _reap(self, op_ids: list[int]) -> None:
         for op_id in op_ids:
             op = self.books.complete(op_id, True)
-            if op is not None and op.kind == Kind.BACKUP:
-                self.stats.bytes_moved[Kind.BACKUP.name] += len(op.src_ids) * self.page_bytes
+            if op is not None:
+                self.stats.bytes_moved[op.kind.name] += len(op.src_ids) * self.page_bytes
 
     def _demote_last_copies(self) -> None:
         """Copy every DRAM-only node down to NVMe (policy order, bounded in flight).

@@ -58,6 +58,7 @@ class Transfer:
     dst_ids: list[int]
     hbm_slots: Any = None  # Shape (pages * page_size,) device slots (BACKUP src, PROMOTE dst)
     dst_of: dict[int, int] = field(default_factory=dict)  # src page id -> dst page id
+    ahead: bool = False  # PREFETCH started by the look-ahead window, before admission
 
 
 def page_ids(node: TreeNode, tier: Tier, page_size: int) -> list[int]:
@@ -92,6 +93,7 @@ class TierBooks:
         self._op_ids = itertools.count(1)
         self._quarantine: dict[int, list[tuple[Tier, list[int]]]] = {}  # op id -> ids freed at its ack
         self.dropped_tokens = [0, 0, 0]  # tokens that left their last tier, per tier
+        self.wasted_prefetch_tokens = 0  # prefetched into DRAM, dropped before a promotion
         tree.on_split = self._follow_split
 
     # ------------------------------------------------------------- allocation
@@ -143,13 +145,20 @@ class TierBooks:
         assert tier != Tier.HBM
         if len(node.tiers()) == 1:
             self.dropped_tokens[tier] += node.num_tokens
+        if tier == Tier.DRAM and node.nvme_loaded:
+            self.wasted_prefetch_tokens += node.num_tokens  # read up from NVMe, never used
         ids = self.tree.detach(node, tier)
         self.allocator(tier).free(ids)
         return len(ids)
 
     # ------------------------------------------------------------- prepare
     def prepare(
-        self, kind: Kind, nodes: Sequence[TreeNode], hbm_slots: Any = None, allow_drop: Optional[bool] = None
+        self,
+        kind: Kind,
+        nodes: Sequence[TreeNode],
+        hbm_slots: Any = None,
+        allow_drop: Optional[bool] = None,
+        ahead: bool = False,
     ) -> Optional[Transfer]:
         """Reserve the destination and pin the sources of a transfer of ``nodes``.
 
@@ -159,6 +168,8 @@ class TierBooks:
             hbm_slots: PROMOTE only: the new device slots (allocated by SGLang), shape
                 ``(pages * page_size,)``; the other kinds allocate their destination here.
             allow_drop: passed to :meth:`alloc` (may the destination drop last copies).
+            ahead: PREFETCH started by the look-ahead window; its pages count as DRAM hits
+                when used (otherwise as NVMe hits: the request waited for the read).
 
         Returns:
             The transfer, or ``None`` when the destination has no room (nothing changed).
@@ -172,7 +183,7 @@ class TierBooks:
             dst_ids = self.alloc(kind.dst, len(src_ids), allow_drop=allow_drop)
             if dst_ids is None:
                 return None
-        op = Transfer(next(self._op_ids), kind, list(nodes), src_ids, dst_ids, hbm_slots, dict(zip(src_ids, dst_ids)))
+        op = Transfer(next(self._op_ids), kind, list(nodes), src_ids, dst_ids, hbm_slots, dict(zip(src_ids, dst_ids)), ahead)
         if kind == Kind.BACKUP:
             op.hbm_slots = _concat([n.hbm_slots for n in nodes])
         pos = 0
@@ -244,7 +255,7 @@ class TierBooks:
         dst = [op.dst_of[s] for s in src]
         self.tree.attach(node, kind.dst, dst)
         if kind == Kind.PREFETCH:
-            node.nvme_loaded = True
+            node.nvme_loaded = not op.ahead
         if kind == Kind.DEMOTE and node.pinned[Tier.DRAM] == 0 and self.dram.num_free < self.dram_free_low_pages:
             self.drop_copy(node, Tier.DRAM)  # DRAM is short: the demotion moved it
         return dst
