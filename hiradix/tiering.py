@@ -55,6 +55,26 @@ class TierStats:
     admission_skips: int = 0  # times admission skipped a request waiting for its prefetch
 
 
+def _remove_stale_dirs(own_dir: Path) -> None:
+    """Remove socket directories left by killed scheduler processes of this user.
+
+    ``default_shm_dir()`` names them ``hiradix-<uid>-<pid>[-rank<r>]``; a SIGKILLed or
+    SIGTERMed scheduler cannot clean up (the DRAM pool itself is anonymous memory and never
+    leaks), so each new one removes those whose pid is gone.
+    """
+    prefix = own_dir.name.split("-")[:2]  # ["hiradix", "<uid>"]
+    for path in own_dir.parent.glob("-".join(prefix) + "-*"):
+        parts = path.name.split("-")
+        if len(parts) < 3 or not parts[2].isdigit() or path.is_symlink() or not path.is_dir():
+            continue
+        try:
+            os.kill(int(parts[2]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:
+            continue
+
+
 def _start_worker(dram: DramPool, nvme_dir: Path, nvme_slots: int, shm_dir: Path, io_backend: str) -> IOWorkerClient:
     """Create the NVMe slot file and spawn this rank's I/O worker over it."""
     store = NvmeStore.create(nvme_dir, dram.layout.page_bytes, nvme_slots, backend=io_backend)
@@ -138,8 +158,9 @@ class TierController:
         """
         layout = KVLayout.from_device_pool(kv_pool, page_size)
         shm_dir = Path(f"{default_shm_dir()}-rank{tp_rank}")
+        _remove_stale_dirs(shm_dir)
         dram_pages = num_pages_for_bytes(config.dram_bytes, layout)
-        dram = DramPool.create(layout, dram_pages, shm_dir)
+        dram = DramPool.create_anonymous(layout, dram_pages)
         client, nvme_slots = None, 0
         if config.nvme_bytes > 0:
             nvme_slots = config.nvme_bytes // slot_bytes_for(layout.page_bytes)
@@ -148,7 +169,7 @@ class TierController:
         loader = LayerwiseLoader(layout.num_layers, kv_pool.k_buffer[0].device)
         mover = HostMover(kv_pool, dram, loader)
         tiers = cls(tree, books, mover, client, layout.page_bytes, config.write_policy == "write_through")
-        tiers._resources += [dram.close, dram.unlink, lambda: shutil.rmtree(shm_dir, ignore_errors=True)]
+        tiers._resources += [dram.close, lambda: shutil.rmtree(shm_dir, ignore_errors=True)]
         logger.info("hiradix tiers: DRAM %d pages (%d B each) at %s; NVMe %d slots", dram_pages, layout.page_bytes, dram.path, nvme_slots)
         return tiers
 

@@ -78,39 +78,111 @@ def start(model: Path, log: Path, max_total_tokens: int, extra: list[str]) -> Se
     return ServerProcess(model, extra_args=cpu_args(max_total_tokens) + extra, env=cpu_env(), log_path=log)
 
 
-def test_foundation_five_sessions_match_stock(tiny_model: Path, tmp_path: Path):
-    with start(tiny_model, tmp_path / "stock.log", 8192, []) as stock:
-        expected = run_sessions(stock.base_url, sessions=5, turns=4, words=30)
-    with start(tiny_model, tmp_path / "hiradix.log", 8192, ["--enable-hiradix", "--hiradix-dram-gb", "0.05"]) as srv:
-        got = run_sessions(srv.base_url, sessions=5, turns=4, words=30)
-        log = srv.log_text()
-    assert "hiradix: HiRadixCache in use" in log
-    for s in range(5):
-        assert [r["text"] for r in got[s]] == [r["text"] for r in expected[s]], f"session {s} differs"
-        assert [r["completion_tokens"] for r in got[s]] == [r["completion_tokens"] for r in expected[s]]
-        for t in range(1, 4):
-            assert got[s][t]["cached"] > 0, (s, t, got[s][t])
+SESSIONS, TURNS, WORDS = 20, 4, 25
 
 
-def test_tiers_histories_return_from_dram_and_nvme(tiny_model: Path, tmp_path: Path):
-    nvme_dir = tmp_path / "nvme"
-    nvme_dir.mkdir()
-    # ~20 sessions x 4 turns x ~150 tokens: the working set is ~4x the 2048-token HBM pool
-    # and more than the DRAM tier (0.006 GB ~ 183 pages ~ 2.9k tokens of the tiny model).
-    with start(tiny_model, tmp_path / "stock.log", 32768, []) as stock:
-        expected = run_sessions(stock.base_url, sessions=20, turns=4, words=25)
-    flags = [
+def metric(base_url: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus sample from /metrics (all label sets matching ``labels``)."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def tier_hits(results: list[list[dict]]) -> dict[str, int]:
+    """Cached tokens of turns >= 2 by tier (cached_tokens_details)."""
+    out = {"device": 0, "host": 0, "storage": 0}
+    for session in results:
+        for r in session[1:]:
+            for tier in out:
+                out[tier] += r["details"].get(tier, 0) or 0
+    return out
+
+
+def assert_same_outputs(got: list[list[dict]], expected: list[list[dict]]) -> None:
+    for s, (g, e) in enumerate(zip(got, expected)):
+        assert [r["text"] for r in g] == [r["text"] for r in e], f"session {s} differs"
+        assert [r["completion_tokens"] for r in g] == [r["completion_tokens"] for r in e]
+
+
+@pytest.fixture(scope="module")
+def stock_outputs(tiny_model: Path, tmp_path_factory) -> list[list[dict]]:
+    """Stock SGLang with an HBM pool that keeps everything; a queue forms (2 running)."""
+    log = tmp_path_factory.mktemp("stock") / "stock.log"
+    with start(tiny_model, log, 32768, ["--max-running-requests", "2"]) as stock:
+        return run_sessions(stock.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS)
+
+
+def tiered_flags(nvme_dir: Path, policy: str, timeout_s: float = 2.0) -> list[str]:
+    # HBM 2048 tokens and DRAM 0.006 GB (~183 pages ~ 2.9k tokens of the tiny model) against a
+    # working set of ~20 sessions x ~650 tokens: histories must fall to NVMe.
+    nvme_dir.mkdir(exist_ok=True)
+    return [
+        "--max-running-requests", "2",
         "--enable-hiradix",
         "--hiradix-dram-gb", "0.006",
         "--hiradix-nvme-path", str(nvme_dir),
         "--hiradix-nvme-gb", "0.2",
-        "--hiradix-policy", "lru",
+        "--hiradix-policy", policy,
+        "--hiradix-load-timeout-s", str(timeout_s),
     ]  # fmt: skip
-    with start(tiny_model, tmp_path / "hiradix.log", 2048, flags) as srv:
-        got = run_sessions(srv.base_url, sessions=20, turns=4, words=25)
-    host = sum(r["details"].get("host", 0) for s in got for r in s[1:])
-    storage = sum(r["details"].get("storage", 0) or 0 for s in got for r in s[1:])
-    for s in range(20):
-        assert [r["text"] for r in got[s]] == [r["text"] for r in expected[s]], f"session {s} differs"
-    assert host > 0, "no turn was served from DRAM"
-    assert storage > 0, "no turn was served from NVMe"
+
+
+def test_foundation_sessions_match_stock(tiny_model: Path, tmp_path: Path, stock_outputs):
+    """5 sessions x 4 turns, HBM-sized so nothing is evicted: hiradix == stock RadixAttention."""
+    with start(tiny_model, tmp_path / "hiradix.log", 8192, ["--enable-hiradix", "--hiradix-dram-gb", "0.05"]) as srv:
+        got = run_sessions(srv.base_url, 5, TURNS, WORDS)
+        log = srv.log_text()
+    assert "hiradix: HiRadixCache in use" in log
+    assert_same_outputs(got, stock_outputs[:5])
+    for s in range(5):
+        for t in range(1, TURNS):
+            assert got[s][t]["cached"] > 0, (s, t, got[s][t])
+
+
+@pytest.fixture(scope="module")
+def tiered_runs(tiny_model: Path, tmp_path_factory) -> dict[str, list[list[dict]]]:
+    """The same queued workload on hiradix `lru` and `lookahead`, HBM << working set."""
+    runs = {}
+    for policy in ("lru", "lookahead"):
+        tmp = tmp_path_factory.mktemp(policy)
+        with start(tiny_model, tmp / "server.log", 2048, tiered_flags(tmp / "nvme", policy)) as srv:
+            runs[policy] = run_sessions(srv.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS)
+            runs[policy + "_prefetch_started"] = metric(srv.base_url, "hiradix_prefetch_tokens_total", outcome="started")
+    return runs
+
+
+def test_tiers_histories_return_from_dram_and_nvme(tiered_runs, stock_outputs):
+    """Issue 3: from turn 2 hits come from DRAM and NVMe; outputs equal stock with a big HBM."""
+    got = tiered_runs["lru"]
+    assert_same_outputs(got, stock_outputs)
+    hits = tier_hits(got)
+    assert hits["host"] > 0, hits
+    assert hits["storage"] > 0, hits
+
+
+def test_lookahead_serves_more_hits_from_dram_than_lru(tiered_runs, stock_outputs):
+    """Issue 4: with a queue, the look-ahead window prefetches and protects queued prefixes."""
+    assert_same_outputs(tiered_runs["lookahead"], stock_outputs)
+    la, lru = tier_hits(tiered_runs["lookahead"]), tier_hits(tiered_runs["lru"])
+    share = {name: h["host"] / max(1, sum(h.values())) for name, h in (("lookahead", la), ("lru", lru))}
+    assert share["lookahead"] > share["lru"], (la, lru)
+    assert tiered_runs["lookahead_prefetch_started"] > 0
+    assert tiered_runs["lru_prefetch_started"] == 0 or share["lookahead"] > share["lru"]
+
+
+def test_prefetch_that_never_lands_times_out_and_recomputes(tiny_model: Path, tmp_path: Path, stock_outputs):
+    """Every NVMe read is held by the worker (fault switch); requests wait 0.5 s, then recompute."""
+    env = dict(cpu_env(), HIRADIX_FAULTS="load_delay_s=600")
+    flags = cpu_args(2048) + tiered_flags(tmp_path / "nvme", "lru", timeout_s=0.5)
+    with ServerProcess(tiny_model, extra_args=flags, env=env, log_path=tmp_path / "server.log") as srv:
+        got = run_sessions(srv.base_url, 8, TURNS, WORDS)
+        skips = metric(srv.base_url, "hiradix_admission_skips_total")
+        started = metric(srv.base_url, "hiradix_prefetch_tokens_total", outcome="started")
+        completed = metric(srv.base_url, "hiradix_prefetch_tokens_total", outcome="completed")
+    assert_same_outputs(got, stock_outputs[:8])
+    assert started > 0 and skips > 0, (started, skips)
+    assert completed == 0 and tier_hits(got)["storage"] == 0

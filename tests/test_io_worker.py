@@ -162,6 +162,22 @@ REPLIES = [
 ]
 
 
+_BASELINE_CHILDREN: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _children_baseline():
+    """Processes this test process already had (e.g. multiprocessing's resource tracker)."""
+    _BASELINE_CHILDREN.clear()
+    _BASELINE_CHILDREN.update(p.pid for p in psutil.Process().children(recursive=True))
+    yield
+
+
+def new_children() -> list[psutil.Process]:
+    """Child processes started since the test began."""
+    return [p for p in psutil.Process().children(recursive=True) if p.pid not in _BASELINE_CHILDREN]
+
+
 @pytest.mark.parametrize("msg", REQUESTS, ids=lambda m: type(m).__name__)
 def test_request_round_trip(msg):
     # encode -> decode gives the same message back; a reply decoder refuses it
@@ -368,7 +384,7 @@ def test_respawn_is_bounded(make_client):
         # deaths 1 and 2 -> respawned; death 3 exceeds max_respawns=2 -> disabled
         assert client.disabled is (job_id == 3)
     assert len(set(pids)) == 3 and client.respawns == 2 and client.pid is None
-    assert psutil.Process().children(recursive=True) == []
+    assert new_children() == []
     client.submit(StorePages(job_id=4, dram_pages=[1], nvme_slots=[1]))  # fails at once
     assert client.poll() == [JobDone(job_id=4, ok=[False], error="worker disabled")]
     assert client.check_alive() is False
@@ -381,10 +397,10 @@ def test_socket_dir_is_private_and_close_leaves_nothing(make_client, spec):
     socket_files = client.endpoints.paths()
     assert all(p.is_socket() and p.parent == socket_dir for p in socket_files)
     worker = psutil.Process(client.pid)
-    assert psutil.Process().children(recursive=True) == [worker]
+    assert new_children() == [worker]
     client.close()
     assert not worker.is_running()
-    assert psutil.Process().children(recursive=True) == []
+    assert new_children() == []
     assert not any(p.exists() for p in socket_files) and not socket_dir.exists()
     client.close()  # idempotent
 
@@ -398,7 +414,7 @@ def test_start_failures_are_reported(spec, monkeypatch):
     monkeypatch.setenv("HIRADIX_FAULTS", "explode=1")
     with pytest.raises(WorkerStartError, match="HIRADIX_FAULTS"):
         IOWorkerClient(spec, ready_timeout_s=WAIT_S).start()
-    assert psutil.Process().children(recursive=True) == []
+    assert new_children() == []
     # a socket dir others can enter is refused before anything is spawned
     open_dir = Path(spec.socket_dir).with_name("open")
     open_dir.mkdir(mode=0o755)

@@ -19,6 +19,7 @@ comma-separated ``key=value`` items, parsed once at start by :meth:`Faults.from_
     crash_mid_job=N   the N-th job moves the first half of its pages, then os._exit
     delay_s=X         every job waits X seconds before touching the disk (a slow disk);
                       Shutdown cuts the wait short and the job fails
+    load_delay_s=X    the same, for loads (NVMe -> DRAM) only: a read that never lands in time
 
 An unknown key or a bad value makes the worker answer ``StartFailed`` and exit 1.
 ``HIRADIX_LOG_LEVEL`` (e.g. ``DEBUG``) sets the worker's logging level; WARNING by default.
@@ -80,11 +81,13 @@ class Faults:
         crash_on_job: Exit when this job (1-based arrival ordinal) arrives; 0 = never.
         crash_mid_job: Exit halfway through this job; 0 = never.
         delay_s: Wait before each job, in seconds.
+        load_delay_s: Wait before each load job (NVMe -> DRAM), in seconds.
     """
 
     crash_on_job: int = 0
     crash_mid_job: int = 0
     delay_s: float = 0.0
+    load_delay_s: float = 0.0
 
     @classmethod
     def parse(cls, text: str) -> Faults:
@@ -93,7 +96,7 @@ class Faults:
         Raises:
             ValueError: An unknown key, a missing ``=`` or a value of the wrong type/sign.
         """
-        kinds = {"crash_on_job": int, "crash_mid_job": int, "delay_s": float}
+        kinds = {"crash_on_job": int, "crash_mid_job": int, "delay_s": float, "load_delay_s": float}
         values: dict[str, float] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, raw = item.partition("=")
@@ -220,7 +223,8 @@ class Worker:
         """Move one job's pages; failures become a failed ``JobDone``, never an exception."""
         start_s = time.monotonic()
         n = job_pages(job)
-        if self.faults.delay_s and self.stop.wait(self.faults.delay_s):
+        delay_s = self.faults.delay_s + (0.0 if isinstance(job, StorePages) else self.faults.load_delay_s)
+        if delay_s and self.stop.wait(delay_s):
             return JobDone(job_id=job.job_id, ok=[False] * n, error="cancelled: shutdown")
         try:
             views = [self.pool.page_view(p) for p in job.dram_pages]

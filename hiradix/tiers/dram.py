@@ -109,12 +109,45 @@ class DramPool:
         self._mmap: mmap.mmap | None = mapping
         self._view = memoryview(mapping)
         self._created_dir = created_dir
+        self._memfd = -1  # the anonymous pool's file descriptor (create_anonymous), kept open
         self.tensor = torch.frombuffer(mapping, dtype=layout.dtype).view(layout.dram_shape(num_pages))
 
     @property
     def dram_bytes(self) -> int:
         """Size of the mapping in bytes (``num_pages * layout.page_bytes``)."""
         return self.num_pages * self.layout.page_bytes
+
+    @classmethod
+    def create_anonymous(cls, layout: KVLayout, num_pages: int) -> DramPool:
+        """Create the pool in an anonymous memory file (``memfd_create``), reserved and mapped.
+
+        Nothing is left behind when the owner exits, even when it is killed: the memory goes
+        when the last process unmaps it. Other processes of this user attach through
+        ``path`` = ``/proc/<pid>/fd/<fd>`` while the owner keeps the pool open.
+
+        Raises:
+            ValueError: ``num_pages < 1``.
+            OSError: not enough memory for ``num_pages * page_bytes`` bytes.
+        """
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        size_bytes = num_pages * layout.page_bytes
+        fd = os.memfd_create("hiradix-dram", os.MFD_CLOEXEC)
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, size_bytes)
+            try:
+                os.posix_fallocate(fd, 0, size_bytes)
+            except OSError as exc:
+                raise OSError(exc.errno, f"cannot reserve {size_bytes} bytes for the DRAM tier: {exc.strerror}") from exc
+            mapping = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        pool = cls(Path(f"/proc/{os.getpid()}/fd/{fd}"), layout, num_pages, mapping, created_dir=False)
+        pool._memfd = fd
+        logger.info("DRAM tier: %d pages x %d bytes in anonymous memory %s", num_pages, layout.page_bytes, pool.path)
+        return pool
 
     @classmethod
     def create(cls, layout: KVLayout, num_pages: int, directory: Path) -> DramPool:
@@ -163,7 +196,9 @@ class DramPool:
             ValueError: its size is not ``num_pages * layout.page_bytes``.
         """
         path = Path(path)
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # /proc/<pid>/fd/<n> (an anonymous pool) is a magic link: it must be followed.
+        follow = 0 if path.parts[:2] == ("/", "proc") else os.O_NOFOLLOW
+        fd = os.open(path, os.O_RDWR | follow | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
             if st.st_uid != os.geteuid() or st.st_mode & 0o077:
@@ -217,6 +252,9 @@ class DramPool:
         Views handed out earlier (``tensor``, ``page_view``) keep the mapping alive until they
         are collected; the memory is unmapped when the last one goes.
         """
+        if self._memfd >= 0:
+            os.close(self._memfd)
+            self._memfd = -1
         if self._mmap is None:
             return
         mapping, self._mmap = self._mmap, None
@@ -229,6 +267,8 @@ class DramPool:
 
     def unlink(self) -> None:
         """Remove the backing file (and the directory if :meth:`create` made it and it is empty)."""
+        if self.path.parts[:2] == ("/", "proc"):
+            return  # anonymous: nothing to remove
         try:
             os.unlink(self.path)
         except FileNotFoundError:
