@@ -64,6 +64,7 @@ class HiRadixCache(BasePrefixCache):
     """
 
     def __init__(self, params: CacheInitParams, config: HiRadixConfig, kv_pool: Any = None, tp_rank: int = 0):
+        # TP ranks agree on asynchronous completions over SGLang's CPU group (hiradix.rank_sync).
         self.disable = False
         self.config = config
         self.req_to_token_pool = params.req_to_token_pool
@@ -80,7 +81,9 @@ class HiRadixCache(BasePrefixCache):
         if kv_pool is not None:
             from hiradix.tiering import TierController
 
-            self.tiers = TierController.for_device_pool(self.tree, config, kv_pool, self.page_size, tp_rank)
+            self.tiers = TierController.for_device_pool(
+                self.tree, config, kv_pool, self.page_size, tp_rank, tp_group=params.tp_cache_group
+            )
         self.tier_metrics = None
         if params.enable_metrics:
             self.init_metrics_collector()

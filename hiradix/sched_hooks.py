@@ -24,7 +24,10 @@ def after_process_hicache_events(result: Any, scheduler: Any, *args: Any, **kwar
     cache = _hiradix_cache(scheduler.tree_cache)
     if cache is not None:
         cache.check_hicache_events()
-        cache.observe_queue(scheduler.waiting_queue)
+        # The chunked request's next chunks run before anything queued: position 0. Requests
+        # in the running batch hold locks on their prefixes, which is stronger protection.
+        chunked = getattr(scheduler, "chunked_req", None)
+        cache.observe_queue(([chunked] if chunked is not None else []) + list(scheduler.waiting_queue))
     return None
 
 

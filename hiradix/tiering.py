@@ -20,6 +20,8 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 from typing import Any, Callable, Optional
 
 from hiradix.io.client import IOWorkerClient
@@ -27,6 +29,7 @@ from hiradix.io.protocol import LoadPages, StorePages, WorkerSpec
 from hiradix.layerwise import LayerwiseLoader
 from hiradix.layout import KVLayout
 from hiradix.movers import HostMover
+from hiradix.rank_sync import RankSync
 from hiradix.tiers.dram import DramPool, default_shm_dir, num_pages_for_bytes
 from hiradix.tiers.nvme import NvmeStore, slot_bytes_for
 from hiradix.transfers import Kind, TierBooks
@@ -112,6 +115,7 @@ class TierController:
         page_bytes: bytes per page (all layers), for the counters.
         write_through: back up to DRAM at insert (else at HBM eviction).
         clock: monotonic seconds (injectable for the simulator).
+        sync: TP agreement on completions (default: a single rank).
     """
 
     def __init__(
@@ -123,6 +127,7 @@ class TierController:
         page_bytes: int,
         write_through: bool,
         clock: Callable[[], float] = time.monotonic,
+        sync: Optional[RankSync] = None,
     ):
         self.tree = tree
         self.books = books
@@ -134,12 +139,23 @@ class TierController:
         self.stats = TierStats()
         self.loader: Optional[LayerwiseLoader] = getattr(mover, "loader", None)
         self._prefetch_deadline_s: dict[int, float] = {}  # PREFETCH op id -> give-up time
+        self._expired: set[int] = set()  # PREFETCH op ids whose deadline passed (agreed)
+        self._local_done: dict[int, bool] = {}  # finished here, not yet agreed: op id -> ok
+        self._acks: dict[int, Any] = {}  # worker JobDone by op id, until applied
+        self.sync = sync or RankSync(None)
         self._last_summary_s = 0.0
         self._resources: list[Callable[[], None]] = []  # called by close()
 
     @classmethod
     def for_device_pool(
-        cls, tree: TieredRadixTree, config: Any, kv_pool: Any, page_size: int, tp_rank: int = 0, io_backend: str = "auto"
+        cls,
+        tree: TieredRadixTree,
+        config: Any,
+        kv_pool: Any,
+        page_size: int,
+        tp_rank: int = 0,
+        io_backend: str = "auto",
+        tp_group: Optional[Any] = None,
     ) -> TierController:
         """The real tiers of one scheduler process: a shared-memory DRAM pool, an NVMe store
         served by a spawned I/O worker, and the in-process host mover.
@@ -151,6 +167,7 @@ class TierController:
             page_size: tokens per page.
             tp_rank: this rank (names the private directories).
             io_backend: NVMe backend for the worker ("auto", "posix", "kvikio").
+            tp_group: TP CPU process group (None for one rank); completions are agreed over it.
 
         Raises:
             OSError, PermissionError: a tier's files cannot be created.
@@ -168,7 +185,8 @@ class TierController:
         books = TierBooks(tree, dram_pages, nvme_slots, dram_free_low_pages=int(DRAM_FREE_LOW * dram_pages))
         loader = LayerwiseLoader(layout.num_layers, kv_pool.k_buffer[0].device)
         mover = HostMover(kv_pool, dram, loader)
-        tiers = cls(tree, books, mover, client, layout.page_bytes, config.write_policy == "write_through")
+        sync = RankSync(tp_group if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1 else None)
+        tiers = cls(tree, books, mover, client, layout.page_bytes, config.write_policy == "write_through", sync=sync)
         tiers._resources += [dram.close, lambda: shutil.rmtree(shm_dir, ignore_errors=True)]
         logger.info("hiradix tiers: DRAM %d pages (%d B each) at %s; NVMe %d slots", dram_pages, layout.page_bytes, dram.path, nvme_slots)
         return tiers
@@ -217,7 +235,8 @@ class TierController:
         """
         op = self.books.prepare(Kind.BACKUP, [node])
         deadline_s = self.clock() + DEMOTION_WAIT_S
-        while op is None and self.books.in_flight(Kind.DEMOTE) and self.clock() < deadline_s:
+        # Waiting on worker acks outside the per-step agreement would let TP ranks diverge.
+        while op is None and self.sync.size == 1 and self.books.in_flight(Kind.DEMOTE) and self.clock() < deadline_s:
             # DRAM is full of last copies on their way to NVMe: let some land (bounded).
             self._apply_worker_acks(self.client.wait(deadline_s - self.clock()))
             op = self.books.prepare(Kind.BACKUP, [node])
@@ -272,29 +291,60 @@ class TierController:
         return True
 
     def prefetch_pending(self, nodes: list[TreeNode]) -> bool:
-        """Whether a read for one of ``nodes`` is still in flight and within its timeout."""
-        now = self.clock()
+        """Whether a read for one of ``nodes`` is still in flight and within its timeout.
+
+        Deadlines are judged once per step (:meth:`step`), agreed across TP ranks.
+        """
         for node in nodes:
             for op_id in node.ops:
-                if op_id in self._prefetch_deadline_s and self._prefetch_deadline_s[op_id] > now:
+                if op_id in self._prefetch_deadline_s and op_id not in self._expired:
                     return True
         return False
 
     # ------------------------------------------------------------ per step
     def step(self) -> None:
-        """Reap finished copies and worker acks; keep DRAM headroom by demoting to NVMe."""
+        """Apply the completions every TP rank agrees on; keep DRAM headroom by demoting."""
         now = self.clock()
         if now - self._last_summary_s > 10.0:
             self._last_summary_s = now
             logger.info("hiradix: %s", self.summary())
-        self._reap(self.mover.finished())
+        self._local_done.update(dict.fromkeys(self.mover.finished(), True))
+        alive = True
         if self.client is not None:
             alive = self.client.check_alive()
-            self._apply_worker_acks(self.client.poll())
+            for done in self.client.poll():
+                self._local_done[done.job_id] = all(done.ok)
+                self._acks[done.job_id] = done
+        pending = self.books.pending_ids()
+        expired_here = {op for op, t in self._prefetch_deadline_s.items() if t <= now}
+        finished, expired = self.sync.agree(pending, {k: v for k, v in self._local_done.items() if k in set(pending)}, expired_here)
+        self._expired |= expired
+        for op_id in sorted(finished):
+            self._apply(op_id, finished[op_id])
+        if self.client is not None:
             if not alive and self.client.disabled and self.books.nvme_enabled:
                 logger.warning("hiradix: the I/O worker keeps dying; NVMe tier switched off, serving from HBM and DRAM")
                 self.books.nvme_enabled = False
             self._demote_last_copies()
+
+    def _apply(self, op_id: int, ok: bool) -> None:
+        """Complete one agreed transfer (``ok``: it succeeded on every rank)."""
+        self._local_done.pop(op_id, None)
+        self._prefetch_deadline_s.pop(op_id, None)
+        self._expired.discard(op_id)
+        done = self._acks.pop(op_id, None)
+        flags = (list(done.ok) if done is not None else True) if ok else False
+        op = self.books.complete(op_id, flags)
+        if op is None:
+            return
+        pages = len(op.src_ids)
+        ok_pages = pages if flags is True else sum(bool(f) for f in flags) if flags else 0
+        self.stats.bytes_moved[op.kind.name] += ok_pages * self.page_bytes
+        if ok_pages < pages:
+            self.stats.transfers_failed[op.kind.name] += 1
+        if op.kind == Kind.PREFETCH:
+            self.stats.prefetch_tokens["completed"] += ok_pages * self.tree.page_size
+            self.stats.prefetch_tokens["failed"] += (pages - ok_pages) * self.tree.page_size
 
     def summary(self) -> str:
         """One line of tier occupancy and counters, for logs."""
@@ -307,24 +357,19 @@ class TierController:
         )
 
     def _apply_worker_acks(self, acks: list) -> None:
+        """Single rank only: apply worker acks now (no agreement needed)."""
         for done in acks:
-            op = self.books.complete(done.job_id, done.ok)
-            self._prefetch_deadline_s.pop(done.job_id, None)
-            if op is None:
-                continue
-            ok_pages = sum(bool(f) for f in done.ok)
-            self.stats.bytes_moved[op.kind.name] += ok_pages * self.page_bytes
-            if ok_pages < len(op.src_ids):
-                self.stats.transfers_failed[op.kind.name] += 1
-            if op.kind == Kind.PREFETCH:
-                self.stats.prefetch_tokens["completed"] += ok_pages * self.tree.page_size
-                self.stats.prefetch_tokens["failed"] += (len(op.src_ids) - ok_pages) * self.tree.page_size
+            self._acks[done.job_id] = done
+            self._apply(done.job_id, all(done.ok))
 
     def _reap(self, op_ids: list[int]) -> None:
-        for op_id in op_ids:
-            op = self.books.complete(op_id, True)
-            if op is not None:
-                self.stats.bytes_moved[op.kind.name] += len(op.src_ids) * self.page_bytes
+        """Apply in-process copies that every rank finished at the same point (a flush)."""
+        for op_id in sorted(set(op_ids) | {k for k, v in self._local_done.items() if k in self.mover_ops()}):
+            self._apply(op_id, True)
+
+    def mover_ops(self) -> set[int]:
+        """Ids of in-flight BACKUP/PROMOTE transfers (carried out in this process)."""
+        return {op.op_id for op in self.books.in_flight() if op.kind in (Kind.BACKUP, Kind.PROMOTE)}
 
     def _demote_last_copies(self) -> None:
         """Copy every DRAM-only node down to NVMe (policy order, bounded in flight).
@@ -355,6 +400,7 @@ class TierController:
         self.mover.drop_pending()
         self.books.reset()
         self._prefetch_deadline_s.clear()
+        self._expired.clear()
 
     def close(self) -> None:
         """Stop the worker and release this rank's shared-memory files."""

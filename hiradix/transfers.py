@@ -300,6 +300,10 @@ class TierBooks:
             if node.alive:
                 self.tree.refresh(node)
 
+    def pending_ids(self) -> list[int]:
+        """Ids of transfers in flight and of quarantined ones (after a reset), ascending."""
+        return sorted(set(self.ops) | set(self._quarantine))
+
     def in_flight(self, kind: Optional[Kind] = None) -> list[Transfer]:
         return [op for op in self.ops.values() if kind is None or op.kind == kind]
 

@@ -1,0 +1,68 @@
+"""TP agreement on completions: two real processes over a gloo group (as SGLang's CPU group)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from hiradix.rank_sync import RankSync
+
+# Per rank: (ops finished here -> ok, ops whose deadline passed here)
+LOCAL = {
+    0: ({1: True, 2: True, 3: False, 5: True}, {4}),
+    1: ({1: True, 2: False, 4: True, 5: True}, set()),
+}
+IN_FLIGHT = [1, 2, 3, 4, 5, 6]
+
+
+def _rank_main(rank: int, init_file: str, out: "mp.Queue") -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        sync = RankSync(torch.distributed.group.WORLD)
+        local, expired = LOCAL[rank]
+        finished, late = sync.agree(IN_FLIGHT, local, expired)
+        mismatch = None
+        try:  # a rank with a different in-flight list must be detected, not hang
+            sync.agree(IN_FLIGHT[: 6 - rank], {}, set())
+        except RuntimeError as exc:
+            mismatch = str(exc)
+        out.put((rank, finished, late, sync.calls, mismatch))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_ranks_apply_the_same_outcomes(tmp_path: Path):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, str(tmp_path / "init"), out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        results = {}
+        for _ in procs:
+            rank, finished, late, calls, mismatch = out.get(timeout=120)
+            results[rank] = (finished, late, calls, mismatch)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    # op 1: ok on both; 2: failed on rank 1 -> failed; 3: finished on rank 0 only -> not yet;
+    # 4: finished on rank 1 only -> not yet (but rank 0's deadline passed -> expired everywhere);
+    # 5: ok on both; 6: nowhere.
+    for rank in (0, 1):
+        finished, late, calls, mismatch = results[rank]
+        assert finished == {1: True, 2: False, 5: True}
+        assert late == {4}
+        assert calls == 3  # 2 for the agreement, 1 for the refused mismatch: equal on every rank
+        assert mismatch is not None and "disagree" in mismatch
+
+
+def test_single_rank_is_the_identity_and_makes_no_call():
+    sync = RankSync(None)
+    finished, late = sync.agree([1, 2, 3], {1: True, 3: False}, {2})
+    assert finished == {1: True, 3: False} and late == {2} and sync.calls == 0
