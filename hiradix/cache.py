@@ -165,7 +165,7 @@ class HiRadixCache(BasePrefixCache):
         tokens = (req.origin_input_ids + req.output_ids)
         key = RadixKey(tokens, req.extra_key, cache_salt=req.cache_salt).page_aligned(self.page_size)
         m = self.tree.match(key.raw_token_ids(), _namespace(key), split=False, touch=False)
-        wait = m.nvme_len > 0 and self.tiers.prefetch_pending(self._stage_nodes(m, Tier.NVME))
+        wait = m.nvme_len > 0 and self.tiers.prefetch_pending(self._stage_nodes(m, Tier.NVME), self.config.load_timeout_s)
         self.tiers.stats.admission_skips += wait
         return wait
 

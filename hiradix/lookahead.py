@@ -57,12 +57,15 @@ def plan(
         for node in m.nodes:
             view.needed_at.setdefault(node.id, pos)
     view.protected_nodes = len(view.needed_at)
-    reclaimable = free_dram_pages + sum(
-        len(n.dram_pages)
-        for n in tree.candidates(Tier.DRAM)
-        if len(n.tiers()) > 1 and n.id not in view.needed_at
-    )
     mean_pages = max(1.0, sum(len(t) for t, _ in inspected) / len(inspected) / tree.page_size)
+    enough = mean_pages * len(inspected)  # more reclaimable pages than this change nothing
+    reclaimable = free_dram_pages
+    if reclaimable < enough:
+        for n in tree.candidates(Tier.DRAM):
+            if n.num_tiers > 1 and n.id not in view.needed_at:
+                reclaimable += len(n.dram_pages)
+                if reclaimable >= enough:
+                    break
     view.prefetch_window = min(len(inspected), int(reclaimable // mean_pages))
     for m in matches[: view.prefetch_window]:
         if m.nvme_len:

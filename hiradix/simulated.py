@@ -31,7 +31,7 @@ from hiradix.lookahead import QueueView, plan
 from hiradix.policy import LookaheadPolicy
 from hiradix.tiering import DRAM_FREE_LOW, TierController
 from hiradix.transfers import Kind, TierBooks, Transfer
-from hiradix.tree import TieredRadixTree, Tier, TreeMatch, TreeNode
+from hiradix.tree import IntegrityError, TieredRadixTree, Tier, TreeMatch, TreeNode
 
 
 class SimClock:
@@ -71,6 +71,7 @@ class SimDevicePool:
 
     @property
     def capacity_tokens(self) -> int:
+        """Capacity, in tokens (whole pages)."""
         return self.num_pages * self.page_size
 
     def available_size(self) -> int:
@@ -114,6 +115,7 @@ class SimDevicePool:
         self._free.extend(pages)
 
     def num_used_tokens(self) -> int:
+        """Slots handed out and not freed, in tokens."""
         return (self.num_pages - len(self._free)) * self.page_size
 
 
@@ -132,11 +134,13 @@ class SimHostMover:
         self._batches = 0
 
     def backup(self, op: Transfer) -> None:
+        """Start an HBM -> DRAM copy (completes at the next :meth:`finished`)."""
         assert op.kind == Kind.BACKUP
         self._pending.append(op.op_id)
         self.pages_moved[Kind.BACKUP] += len(op.dst_ids)
 
     def promote(self, op: Transfer) -> None:
+        """Start a DRAM -> HBM load (completes at the next :meth:`finished`)."""
         assert op.kind == Kind.PROMOTE
         self._pending.append(op.op_id)
         self.pages_moved[Kind.PROMOTE] += len(op.src_ids)
@@ -147,13 +151,16 @@ class SimHostMover:
         return self._batches
 
     def finished(self) -> list[int]:
+        """Op ids of every copy started since the last call (all of them have landed)."""
         done, self._pending = self._pending, []
         return done
 
     def flush(self) -> list[int]:
+        """Finish every pending copy now; returns their op ids."""
         return self.finished()
 
     def drop_pending(self) -> None:
+        """Forget pending copies (on reset)."""
         self._pending.clear()
 
 
@@ -179,6 +186,7 @@ class SimIOClient:
         self.pages_done = {LoadPages: 0, StorePages: 0}
 
     def submit(self, job: LoadPages | StorePages) -> None:
+        """Queue ``job`` on its channel; its ``JobDone`` comes from :meth:`poll` when due."""
         kind = type(job)
         pages = len(job.dram_pages)
         start_s = max(self.clock(), self._busy_until_s[kind])
@@ -208,12 +216,15 @@ class SimIOClient:
         return self._jobs[0][0] if self._jobs else None
 
     def in_flight(self) -> set[int]:
+        """Ids of submitted jobs not yet returned by :meth:`poll`."""
         return {job_id for _, job_id, _ in self._jobs}
 
     def check_alive(self) -> bool:
+        """The stand-in never dies."""
         return True
 
     def close(self) -> None:
+        """Drop the jobs in flight."""
         self._jobs.clear()
 
 
@@ -288,7 +299,7 @@ class SimPrefixCache:
         if self.tiers is None or not self.tiers.books.in_flight():
             return False
         m = self.tree.match(key, split=False, touch=False)
-        wait = m.nvme_len > 0 and self.tiers.prefetch_pending(stage_nodes(m, Tier.NVME))
+        wait = m.nvme_len > 0 and self.tiers.prefetch_pending(stage_nodes(m, Tier.NVME), self.load_timeout_s)
         self.tiers.stats.admission_skips += wait
         return wait
 
@@ -333,6 +344,7 @@ class SimPrefixCache:
         return sum(len(s) for s in freed)
 
     def evictable_tokens(self) -> int:
+        """Unlocked HBM tokens the tree holds (SGLang's ``evictable_size``)."""
         return self.tree.hbm_evictable_tokens
 
     # ------------------------------------------------------------ insert / locks
@@ -381,12 +393,23 @@ class SimPrefixCache:
         self.last_view = view
         return view
 
-    def check_integrity(self) -> None:
-        """Tree + DRAM/NVMe books, and HBM: pool used == tree-held + ``held_elsewhere``."""
+    def check_integrity(self, request_tokens: int = 0) -> None:
+        """Tree + DRAM/NVMe books, and HBM: slots used == tree-held + ``request_tokens``.
+
+        Args:
+            request_tokens: HBM slots owned by requests (not yet, or never, in the tree).
+
+        Raises:
+            hiradix.tree.IntegrityError: naming the broken invariant.
+        """
         if self.tiers is not None:
             self.tiers.books.check_integrity()
         else:
             self.tree.check_integrity()
+        held = self.tree.hbm_evictable_tokens + self.tree.hbm_protected_tokens
+        used = self.device.num_used_tokens()
+        if used != held + request_tokens:
+            raise IntegrityError(f"HBM: {used} slots used != tree {held} + requests {request_tokens}")
 
 
 def stage_nodes(m: TreeMatch, tier: Tier) -> list[TreeNode]:

@@ -138,7 +138,7 @@ class TierController:
         self.clock = clock
         self.stats = TierStats()
         self.loader: Optional[LayerwiseLoader] = getattr(mover, "loader", None)
-        self._prefetch_deadline_s: dict[int, float] = {}  # PREFETCH op id -> give-up time
+        self._prefetch_deadline_s: dict[int, Optional[float]] = {}  # PREFETCH op -> give-up time; None: not yet waited on
         self._expired: set[int] = set()  # PREFETCH op ids whose deadline passed (agreed)
         self._local_done: dict[int, bool] = {}  # finished here, not yet agreed: op id -> ok
         self._acks: dict[int, Any] = {}  # worker JobDone by op id, until applied
@@ -214,7 +214,7 @@ class TierController:
         for node in self.tree.victims(Tier.HBM):
             if evicted >= num_tokens:
                 break
-            if len(node.tiers()) == 1 and not self._backup_now(node):
+            if node.num_tiers == 1 and not self._backup_now(node):
                 # No DRAM room even after dropping DRAM's own last copies: the node's KV is
                 # lost, and so is what hangs below it (unreachable without this prefix).
                 for child in list(node.children.values()):
@@ -287,19 +287,25 @@ class TierController:
             return busy
         self.client.submit(LoadPages(op.op_id, op.src_ids, op.dst_ids))
         self.stats.prefetch_tokens["started"] += len(op.src_ids) * self.tree.page_size
-        self._prefetch_deadline_s[op.op_id] = self.clock() + timeout_s
+        # A look-ahead read may start deep in the queue: its request's wait (the timeout)
+        # starts only when the request reaches admission (prefetch_pending).
+        self._prefetch_deadline_s[op.op_id] = None if ahead else self.clock() + timeout_s
         return True
 
-    def prefetch_pending(self, nodes: list[TreeNode]) -> bool:
+    def prefetch_pending(self, nodes: list[TreeNode], timeout_s: float) -> bool:
         """Whether a read for one of ``nodes`` is still in flight and within its timeout.
 
+        Called when the request reaches admission; a look-ahead read's timeout starts here.
         Deadlines are judged once per step (:meth:`step`), agreed across TP ranks.
         """
+        pending = False
         for node in nodes:
             for op_id in node.ops:
                 if op_id in self._prefetch_deadline_s and op_id not in self._expired:
-                    return True
-        return False
+                    if self._prefetch_deadline_s[op_id] is None:
+                        self._prefetch_deadline_s[op_id] = self.clock() + timeout_s
+                    pending = True
+        return pending
 
     # ------------------------------------------------------------ per step
     def step(self) -> None:
@@ -316,7 +322,7 @@ class TierController:
                 self._local_done[done.job_id] = all(done.ok)
                 self._acks[done.job_id] = done
         pending = self.books.pending_ids()
-        expired_here = {op for op, t in self._prefetch_deadline_s.items() if t <= now}
+        expired_here = {op for op, t in self._prefetch_deadline_s.items() if t is not None and t <= now}
         finished, expired = self.sync.agree(pending, {k: v for k, v in self._local_done.items() if k in set(pending)}, expired_here)
         self._expired |= expired
         for op_id in sorted(finished):

@@ -124,13 +124,9 @@ class TierBooks:
         for redundant_pass in (True, False):
             if not redundant_pass and not allow_drop:
                 break
-            for node in self.tree.victims(tier):
+            for node in self.tree.victims(tier, redundant_only=redundant_pass):
                 if freed >= num_pages:
                     return freed
-                if redundant_pass and len(node.tiers()) == 1:
-                    continue
-                if node not in self.tree.candidates(tier):
-                    continue  # a cascade earlier in this pass changed it
                 freed += self.drop_copy(node, tier)
         return freed
 
@@ -143,7 +139,7 @@ class TierBooks:
     def drop_copy(self, node: TreeNode, tier: Tier) -> int:
         """Detach and free ``node``'s copy in ``tier`` (DRAM or NVMe); returns pages freed."""
         assert tier != Tier.HBM
-        if len(node.tiers()) == 1:
+        if node.num_tiers == 1:
             self.dropped_tokens[tier] += node.num_tokens
         if tier == Tier.DRAM and node.nvme_loaded:
             self.wasted_prefetch_tokens += node.num_tokens  # read up from NVMe, never used
@@ -266,7 +262,7 @@ class TierBooks:
             self.drop_subtree(child)
         for tier in (Tier.NVME, Tier.DRAM):
             # A pinned copy stays until its own transfer completes.
-            if node.alive and node.in_tier(tier) and node.pinned[tier] == 0 and (len(node.tiers()) > 1 or not node.children):
+            if node.alive and node.in_tier(tier) and node.pinned[tier] == 0 and (node.num_tiers > 1 or not node.children):
                 self.drop_copy(node, tier)
 
     # --------------------------------------------------------------- reset

@@ -88,7 +88,19 @@ class TreeNode:
         return self.ids_in(tier) is not None
 
     def tiers(self) -> list[Tier]:
-        return [t for t in Tier if self.in_tier(t)]
+        out = []
+        if self.hbm_slots is not None:
+            out.append(Tier.HBM)
+        if self.dram_pages is not None:
+            out.append(Tier.DRAM)
+        if self.nvme_slots is not None:
+            out.append(Tier.NVME)
+        return out
+
+    @property
+    def num_tiers(self) -> int:
+        """How many tiers hold this node's KV (0 only for the root)."""
+        return (self.hbm_slots is not None) + (self.dram_pages is not None) + (self.nvme_slots is not None)
 
     def __repr__(self) -> str:
         tiers = "".join(t.name[0] for t in self.tiers())
@@ -417,22 +429,24 @@ class TieredRadixTree:
         return delta
 
     # ---------------------------------------------------------------- evict
-    def victims(self, tier: Tier) -> Iterator[TreeNode]:
+    def victims(self, tier: Tier, redundant_only: bool = False) -> Iterator[TreeNode]:
         """Eviction candidates of ``tier`` in policy order, re-checked lazily.
 
         The caller detaches (or demotes) each yielded node before asking for the next;
         a parent that becomes a candidate meanwhile is yielded in its turn.
+        ``redundant_only`` yields only nodes that another tier also holds.
         """
         key = self.policy.priority
-        heap = [(key(n, tier), n.id, n) for n in self._candidates[tier]]
+        cands = self._candidates[tier]
+        heap = [(key(n, tier), n.id, n) for n in cands if not redundant_only or n.num_tiers > 1]
         heapq.heapify(heap)
         while heap:
             _, _, node = heapq.heappop(heap)
-            if node not in self._candidates[tier]:
+            if node not in cands or (redundant_only and node.num_tiers < 2):
                 continue
             parent = node.parent
             yield node
-            if parent is not None and parent in self._candidates[tier]:
+            if parent is not None and parent in cands and (not redundant_only or parent.num_tiers > 1):
                 heapq.heappush(heap, (key(parent, tier), parent.id, parent))
 
     def evict_hbm(self, num_tokens: int) -> list[Any]:
@@ -449,7 +463,7 @@ class TieredRadixTree:
         for node in self.victims(Tier.HBM):
             if evicted >= num_tokens:
                 break
-            if node.children and len(node.tiers()) == 1:
+            if node.children and node.num_tiers == 1:
                 continue  # its children live on lower tiers; see TierController.evict_hbm
             evicted += node.num_tokens
             freed.append(self.detach(node, Tier.HBM))
@@ -482,7 +496,7 @@ class TieredRadixTree:
             # The evictor backs a last HBM copy up to DRAM first (or drops the subtree below).
             return node.lock_ref == 0 and not any(c.hbm_slots is not None for c in node.children.values())
         # Dropping the last copy of a node with children would orphan them.
-        return len(node.tiers()) > 1 or not node.children
+        return node.num_tiers > 1 or not node.children
 
     def refresh(self, node: TreeNode) -> None:
         """Re-evaluate ``node`` after a pin change (used by :mod:`hiradix.transfers`)."""
