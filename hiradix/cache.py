@@ -33,7 +33,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from hiradix.lookahead import QueueView, plan
 from hiradix.policy import LookaheadPolicy, make_policy
-from hiradix.tree import TieredRadixTree, Tier, TreeMatch, TreeNode
+from hiradix.tree import TieredRadixTree, Tier, TreeNode
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -134,7 +134,7 @@ class HiRadixCache(BasePrefixCache):
             return MatchResult(0, root, root, root)
         m = self.tree.match(key.raw_token_ids(), _namespace(key))
         if m.nvme_len and self.tiers is not None:
-            self.tiers.prefetch(self._stage_nodes(m, Tier.NVME), self.config.load_timeout_s)
+            self.tiers.prefetch(m.stage(Tier.NVME), self.config.load_timeout_s)
         return MatchResult(
             device_prefix_len=m.hbm_len,
             last_device_node=m.hbm_node,
@@ -144,19 +144,6 @@ class HiRadixCache(BasePrefixCache):
             full_kv_hit_length=m.hbm_len + m.dram_len,
         )
 
-    @staticmethod
-    def _stage_nodes(m: TreeMatch, tier: Tier) -> list[TreeNode]:
-        """Matched nodes served from ``tier`` (HBM first, then DRAM, then NVMe)."""
-        bounds = {Tier.HBM: (0, m.hbm_len), Tier.DRAM: (m.hbm_len, m.hbm_len + m.dram_len)}
-        bounds[Tier.NVME] = (bounds[Tier.DRAM][1], bounds[Tier.DRAM][1] + m.nvme_len)
-        lo, hi = bounds[tier]
-        out, pos = [], 0
-        for node in m.nodes:
-            if lo <= pos < hi:
-                out.append(node)
-            pos += node.num_tokens
-        return out
-
     def should_wait(self, req: Req) -> bool:
         """Whether admission should skip ``req`` for now: NVMe reads for its prefix are in
         flight and within ``load_timeout_s`` (afterwards it runs with what is ready)."""
@@ -165,7 +152,7 @@ class HiRadixCache(BasePrefixCache):
         tokens = (req.origin_input_ids + req.output_ids)
         key = RadixKey(tokens, req.extra_key, cache_salt=req.cache_salt).page_aligned(self.page_size)
         m = self.tree.match(key.raw_token_ids(), _namespace(key), split=False, touch=False)
-        wait = m.nvme_len > 0 and self.tiers.prefetch_pending(self._stage_nodes(m, Tier.NVME), self.config.load_timeout_s)
+        wait = m.nvme_len > 0 and self.tiers.prefetch_pending(m.stage(Tier.NVME), self.config.load_timeout_s)
         self.tiers.stats.admission_skips += wait
         return wait
 

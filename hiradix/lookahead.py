@@ -68,16 +68,7 @@ def plan(
                     break
     view.prefetch_window = min(len(inspected), int(reclaimable // mean_pages))
     for m in matches[: view.prefetch_window]:
-        if m.nvme_len:
-            view.prefetch.append(_nvme_tail(m))
+        tail = [n for n in m.stage(Tier.NVME) if not n.in_tier(Tier.DRAM)]
+        if tail:
+            view.prefetch.append(tail)
     return view
-
-
-def _nvme_tail(m) -> list[TreeNode]:
-    """The NVMe-only nodes after a match's HBM and DRAM parts."""
-    skip, seen, nodes = m.hbm_len + m.dram_len, 0, []
-    for node in m.nodes:
-        if seen >= skip and node.in_tier(Tier.NVME) and not node.in_tier(Tier.DRAM):
-            nodes.append(node)
-        seen += node.num_tokens
-    return nodes

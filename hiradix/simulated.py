@@ -291,7 +291,7 @@ class SimPrefixCache:
         """``HiRadixCache.match_prefix``: split + touch, and start reads of the NVMe part."""
         m = self.tree.match(key)
         if m.nvme_len and self.tiers is not None:
-            self.tiers.prefetch(stage_nodes(m, Tier.NVME), self.load_timeout_s)
+            self.tiers.prefetch(m.stage(Tier.NVME), self.load_timeout_s)
         return m
 
     def should_wait(self, key: Sequence[int]) -> bool:
@@ -299,7 +299,7 @@ class SimPrefixCache:
         if self.tiers is None or not self.tiers.books.in_flight():
             return False
         m = self.tree.match(key, split=False, touch=False)
-        wait = m.nvme_len > 0 and self.tiers.prefetch_pending(stage_nodes(m, Tier.NVME), self.load_timeout_s)
+        wait = m.nvme_len > 0 and self.tiers.prefetch_pending(m.stage(Tier.NVME), self.load_timeout_s)
         self.tiers.stats.admission_skips += wait
         return wait
 
@@ -412,19 +412,6 @@ class SimPrefixCache:
             raise IntegrityError(f"HBM: {used} slots used != tree {held} + requests {request_tokens}")
 
 
-def stage_nodes(m: TreeMatch, tier: Tier) -> list[TreeNode]:
-    """Matched nodes served from ``tier`` (as ``HiRadixCache._stage_nodes``)."""
-    bounds = {Tier.HBM: (0, m.hbm_len), Tier.DRAM: (m.hbm_len, m.hbm_len + m.dram_len)}
-    bounds[Tier.NVME] = (bounds[Tier.DRAM][1], bounds[Tier.DRAM][1] + m.nvme_len)
-    lo, hi = bounds[tier]
-    out, pos = [], 0
-    for node in m.nodes:
-        if lo <= pos < hi:
-            out.append(node)
-        pos += node.num_tokens
-    return out
-
-
 def next_event_s(tiers: Optional[TierController]) -> Optional[float]:
     """When the controller next has something to reap (an I/O completion), or None."""
     if tiers is None or tiers.client is None:
@@ -439,6 +426,5 @@ __all__ = [
     "SimIOClient",
     "SimPrefixCache",
     "simulated_controller",
-    "stage_nodes",
     "next_event_s",
 ]

@@ -125,6 +125,17 @@ class TreeMatch:
     nodes: tuple[TreeNode, ...]
     last_node: TreeNode  # deepest matched node (may extend past the match in a peek)
 
+    def stage(self, tier: Tier) -> list[TreeNode]:
+        """Matched nodes served from ``tier``: HBM first, then DRAM, then NVMe."""
+        start = {Tier.HBM: 0, Tier.DRAM: self.hbm_len, Tier.NVME: self.hbm_len + self.dram_len}[tier]
+        end = start + (self.hbm_len, self.dram_len, self.nvme_len)[tier]
+        out, pos = [], 0
+        for node in self.nodes:
+            if start <= pos < end:
+                out.append(node)
+            pos += node.num_tokens
+        return out
+
 
 class TieredRadixTree:
     """A page-granular radix tree whose nodes carry per-tier KV records.
