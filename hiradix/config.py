@@ -293,8 +293,8 @@ def _is_writable_dir(path: Path) -> bool:
 def check_machine(config: HiRadixConfig, *, ranks_on_this_node: int = 1) -> None:
     """Check that this machine can hold the configured tiers. Reads, creates nothing.
 
-    The DRAM tier must fit in the available RAM (psutil), the NVMe directory must be a
-    writable directory (or creatable under a writable one), and the NVMe tier must fit
+    The DRAM tier must fit in the available RAM (psutil), the NVMe directory must be an
+    existing writable directory, and the NVMe tier must fit
     in the free space of its file system. Both sizes are multiplied by the number of
     scheduler processes on this node.
 
@@ -329,12 +329,11 @@ def check_machine(config: HiRadixConfig, *, ranks_on_this_node: int = 1) -> None
             raise HiRadixConfigError(f"--hiradix-nvme-path {path} is not writable")
         base = path
     else:
-        base = _nearest_existing(path)
-        if not base.is_dir() or not _is_writable_dir(base):
-            raise HiRadixConfigError(
-                f"--hiradix-nvme-path {path} does not exist and cannot be created "
-                f"under {base} (not a writable directory)"
-            )
+        # A typo must not silently create directories (and fill a disk) somewhere else.
+        raise HiRadixConfigError(
+            f"--hiradix-nvme-path {path} does not exist; create the directory first "
+            f"(nearest existing parent: {_nearest_existing(path)})"
+        )
     nvme_needed = config.nvme_bytes * ranks
     nvme_free = shutil.disk_usage(base).free
     if nvme_needed > nvme_free:

@@ -30,7 +30,7 @@ from hiradix.layerwise import LayerwiseLoader
 from hiradix.layout import KVLayout
 from hiradix.movers import HostMover
 from hiradix.rank_sync import RankSync
-from hiradix.tiers.dram import DramPool, default_shm_dir, num_pages_for_bytes
+from hiradix.tiers.dram import DramPool, default_shm_dir, ensure_private_dir, num_pages_for_bytes
 from hiradix.tiers.nvme import NvmeStore, slot_bytes_for
 from hiradix.transfers import Kind, TierBooks
 from hiradix.tree import TieredRadixTree, Tier, TreeNode
@@ -76,6 +76,29 @@ def _remove_stale_dirs(own_dir: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
         except PermissionError:
             continue
+
+
+def _lock_nvme_dir(nvme_dir: Path) -> int:
+    """Hold an exclusive lock on this rank's NVMe directory for the process lifetime.
+
+    Two servers given the same ``--hiradix-nvme-path`` would otherwise truncate each other's
+    slot file. The lock goes with the process (also when it is killed).
+
+    Raises:
+        RuntimeError: another live process holds the directory.
+    """
+    import fcntl
+
+    ensure_private_dir(nvme_dir)
+    fd = os.open(nvme_dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RuntimeError(
+            f"hiradix: {nvme_dir} is in use by another server; give each server its own --hiradix-nvme-path"
+        ) from None
+    return fd
 
 
 def _start_worker(dram: DramPool, nvme_dir: Path, nvme_slots: int, shm_dir: Path, io_backend: str) -> IOWorkerClient:
@@ -178,16 +201,20 @@ class TierController:
         _remove_stale_dirs(shm_dir)
         dram_pages = num_pages_for_bytes(config.dram_bytes, layout)
         dram = DramPool.create_anonymous(layout, dram_pages)
-        client, nvme_slots = None, 0
+        client, nvme_slots, lock_fd = None, 0, -1
         if config.nvme_bytes > 0:
             nvme_slots = config.nvme_bytes // slot_bytes_for(layout.page_bytes)
-            client = _start_worker(dram, Path(config.nvme_path) / f"hiradix-rank{tp_rank}", nvme_slots, shm_dir, io_backend)
+            nvme_dir = Path(config.nvme_path) / f"hiradix-rank{tp_rank}"
+            lock_fd = _lock_nvme_dir(nvme_dir)
+            client = _start_worker(dram, nvme_dir, nvme_slots, shm_dir, io_backend)
         books = TierBooks(tree, dram_pages, nvme_slots, dram_free_low_pages=int(DRAM_FREE_LOW * dram_pages))
         loader = LayerwiseLoader(layout.num_layers, kv_pool.k_buffer[0].device)
         mover = HostMover(kv_pool, dram, loader)
         sync = RankSync(tp_group if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1 else None)
         tiers = cls(tree, books, mover, client, layout.page_bytes, config.write_policy == "write_through", sync=sync)
         tiers._resources += [dram.close, lambda: shutil.rmtree(shm_dir, ignore_errors=True)]
+        if lock_fd >= 0:
+            tiers._resources.append(lambda: os.close(lock_fd))
         logger.info("hiradix tiers: DRAM %d pages (%d B each) at %s; NVMe %d slots", dram_pages, layout.page_bytes, dram.path, nvme_slots)
         return tiers
 
@@ -329,8 +356,11 @@ class TierController:
             self._apply(op_id, finished[op_id])
         if self.client is not None:
             if not alive and self.client.disabled and self.books.nvme_enabled:
-                logger.warning("hiradix: the I/O worker keeps dying; NVMe tier switched off, serving from HBM and DRAM")
-                self.books.nvme_enabled = False
+                freed = self.books.forget_nvme()
+                logger.warning(
+                    "hiradix: the I/O worker keeps dying; NVMe tier switched off (%d pages forgotten), "
+                    "serving from HBM and DRAM", freed,
+                )
             self._demote_last_copies()
 
     def _apply(self, op_id: int, ok: bool) -> None:

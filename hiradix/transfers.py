@@ -256,6 +256,22 @@ class TierBooks:
             self.drop_copy(node, Tier.DRAM)  # DRAM is short: the demotion moved it
         return dst
 
+    def forget_nvme(self) -> int:
+        """The NVMe tier was switched off: drop every NVMe copy it can no longer serve.
+
+        Nodes whose only copy was on NVMe go too (with what hangs below them); copies pinned
+        by a transfer in flight stay until it completes. Returns the NVMe pages freed.
+        """
+        self.nvme_enabled = False
+        before = self.nvme.num_free if self.nvme is not None else 0
+        for node in sorted(self.tree.sole_copies(Tier.NVME) | self.tree.candidates(Tier.NVME), key=lambda n: -n.num_tokens):
+            if node.alive and node.in_tier(Tier.NVME) and node.pinned[Tier.NVME] == 0:
+                if node.num_tiers > 1 or not node.children:
+                    self.drop_copy(node, Tier.NVME)
+                else:
+                    self.drop_subtree(node)
+        return (self.nvme.num_free - before) if self.nvme is not None else 0
+
     def drop_subtree(self, node: TreeNode) -> None:
         """Forget ``node`` and its descendants on DRAM/NVMe (none of them is in HBM)."""
         for child in list(node.children.values()):

@@ -205,6 +205,14 @@ def test_launcher_refuses_nvme_path_that_is_a_file(venv_python, cpu_env, cpu_fla
     )
 
 
+def test_launcher_refuses_missing_nvme_path(venv_python, cpu_env, cpu_flags, llama_dir, tmp_path):
+    missing = tmp_path / "no" / "such"
+    args = ["--model-path", str(llama_dir), *cpu_flags, "--enable-hiradix",
+            "--hiradix-nvme-path", str(missing), "--hiradix-nvme-gb", "0.1"]  # fmt: skip
+    assert_refused(launch(venv_python, args, cpu_env, tmp_path), f"--hiradix-nvme-path {missing} does not exist")
+    assert not (tmp_path / "no").exists()
+
+
 def test_launcher_refuses_nvme_larger_than_free_disk(venv_python, cpu_env, cpu_flags, llama_dir, tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
@@ -270,7 +278,8 @@ def test_help_lists_hiradix_flags(venv_python, cpu_env, tmp_path):
 def test_valid_config_is_accepted_by_the_launcher(venv_python, cpu_env, cpu_flags, llama_dir, tmp_path):
     # The launcher passes every hiradix check and logs the config; with no tokenizer
     # in llama_dir SGLang itself fails afterwards, which is not hiradix's concern.
-    nvme = tmp_path / "nvme" / "sub"  # does not exist yet: must be creatable
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
     args = ["--model-path", str(llama_dir), *cpu_flags, "--enable-hiradix",
             "--hiradix-dram-gb", "0.5", "--hiradix-policy", "lru",
             "--hiradix-nvme-path", str(nvme), "--hiradix-nvme-gb", "0.25",
@@ -282,7 +291,7 @@ def test_valid_config_is_accepted_by_the_launcher(venv_python, cpu_env, cpu_flag
         f"nvme={nvme} (250000000 bytes), load_timeout_s=3, page_size=16)"
     ) in result.output
     assert "'radix_cache_backend': 'hiradix'" in result.output
-    assert not nvme.exists()  # checking creates nothing
+    assert list(nvme.iterdir()) == []  # checking creates nothing
 
 
 # ------------------------------------------------------- self-check, in a subprocess
@@ -586,12 +595,13 @@ def test_check_machine(tmp_path):
     check_machine(half, ranks_on_this_node=1)
     with pytest.raises(HiRadixConfigError, match=r"x 2 ranks needs"):
         check_machine(half, ranks_on_this_node=2)
-    # A missing directory under a writable one is fine, and is not created.
+    # A missing directory is refused (a typo must not create directories elsewhere), and
+    # the check creates nothing.
     missing_dir = tmp_path / "a" / "b"
-    check_machine(HiRadixConfig(nvme_path=missing_dir, nvme_bytes=1))
+    with pytest.raises(HiRadixConfigError, match=r"^--hiradix-nvme-path .*/a/b does not exist; create"):
+        check_machine(HiRadixConfig(nvme_path=missing_dir, nvme_bytes=1))
     assert not (tmp_path / "a").exists()
-    with pytest.raises(HiRadixConfigError, match="does not exist and cannot be created under /proc"):
-        check_machine(HiRadixConfig(nvme_path=Path("/proc/hiradix-nvme"), nvme_bytes=1))
+    check_machine(HiRadixConfig(nvme_path=tmp_path, nvme_bytes=1))
 
 
 # ------------------------------------------------------- model architecture rules
@@ -771,6 +781,7 @@ def test_config_reaches_the_scheduler(venv_python, cpu_env, cpu_flags, tiny_mode
     if not _sgl_kernel_importable(venv_python):
         pytest.skip("patches not applied (sgl_kernel stand-in missing): run patches/apply.py")
     nvme = tmp_path / "nvme"
+    nvme.mkdir()
     args = ["--model-path", str(tiny_model), *cpu_flags, "--port", str(_free_port()),
             "--enable-hiradix", "--hiradix-dram-gb", "0.5",
             "--hiradix-nvme-path", str(nvme), "--hiradix-nvme-gb", "0.25"]  # fmt: skip

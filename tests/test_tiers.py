@@ -442,3 +442,15 @@ def test_nvme_kvikio_round_trip_and_corruption(tmp_path):
         flip_byte(store.path, 5 * store.slot_bytes + 100)
         ok, dests = read_into_sentinels(store, [5])
         assert ok == [False] and (dests[0] == 0xAB).all()
+
+
+def test_nvme_dir_lock_refuses_a_second_server(tmp_path):
+    from hiradix.tiering import _lock_nvme_dir
+
+    fd = _lock_nvme_dir(tmp_path / "hiradix-rank0")
+    try:
+        with pytest.raises(RuntimeError, match="in use by another server"):
+            _lock_nvme_dir(tmp_path / "hiradix-rank0")
+    finally:
+        os.close(fd)
+    os.close(_lock_nvme_dir(tmp_path / "hiradix-rank0"))  # free again once released

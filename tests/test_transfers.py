@@ -256,3 +256,22 @@ def test_promote_attaches_hbm_and_pins_until_landed():
     assert x.pinned == [0, 0, 0]
     with pytest.raises(AssertionError):
         h.books.prepare(Kind.PROMOTE, [x], hbm_slots=[1, 2])  # wrong slot count
+
+
+def test_nvme_switched_off_forgets_its_copies():
+    h = Harness(dram_pages=8, nvme_slots=8)
+    a, _ = h.insert([1, 1, 2, 2])  # a: 2 pages
+    b, _ = h.insert([1, 1, 2, 2, 3, 3])  # b below a: 1 page
+    h.books.complete(h.backup([a, b]).op_id, True)
+    h.evict_hbm(6)
+    for node in (a, b):
+        h.books.complete(h.demote(node).op_id, True)  # moved down: NVMe only
+    keep, _ = h.insert([7, 7])  # HBM + NVMe: loses only its NVMe copy
+    h.books.complete(h.backup([keep]).op_id, True)
+    h.books.complete(h.demote(keep).op_id, True)
+    h.check()
+    assert [n.tiers() for n in (a, b)] == [[Tier.NVME]] * 2 and keep.tiers() == [Tier.HBM, Tier.NVME]
+    assert h.books.forget_nvme() == 4
+    h.check()
+    assert not a.alive and not b.alive and keep.tiers() == [Tier.HBM]
+    assert h.tree.tier_tokens[Tier.NVME] == 0 and not h.books.nvme_enabled
