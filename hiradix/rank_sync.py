@@ -23,9 +23,11 @@ from typing import Any, Optional
 
 import torch
 
-# Per op, in the exchanged tensor: 2 = finished ok, 1 = finished with a failed page, 0 = not
-# finished. MIN over ranks: 2 only if every rank finished ok; 0 if any rank has not finished.
-NOT_DONE, FAILED, OK = 0, 1, 2
+# Per op, in the exchanged tensor: 3 = finished ok, 2 = aborted (nothing moved: the worker died
+# or refused it), 1 = finished with a page that failed verification, 0 = not finished. MIN over
+# ranks: OK only if every rank finished ok; a verification failure anywhere wins over an abort;
+# NOT_DONE if any rank has not finished.
+NOT_DONE, FAILED, ABORTED, OK = 0, 1, 2, 3
 
 
 class RankSync:
@@ -41,17 +43,17 @@ class RankSync:
         self.size = torch.distributed.get_world_size(group) if group is not None else 1
         self.calls = 0  # collectives issued (equal on every rank)
 
-    def agree(self, in_flight: list[int], local: dict[int, bool], expired: set[int]) -> tuple[dict[int, bool], set[int]]:
+    def agree(self, in_flight: list[int], local: dict[int, int], expired: set[int]) -> tuple[dict[int, int], set[int]]:
         """Reduce this rank's view of ``in_flight`` op ids to what every rank agrees on.
 
         Args:
             in_flight: op ids in flight, ascending; identical on every rank.
-            local: op id -> success (every page ok) for ops this rank saw finish.
+            local: op id -> ``OK``, ``ABORTED`` or ``FAILED`` for ops this rank saw finish.
             expired: op ids whose deadline passed on this rank.
 
         Returns:
-            ``(finished, expired)``: ops finished on every rank with their common success
-            (False if any rank failed a page), and ops expired on any rank.
+            ``(finished, expired)``: ops finished on every rank with their common outcome
+            (the worst one: FAILED < ABORTED < OK), and ops expired on any rank.
 
         Raises:
             RuntimeError: ranks disagree on the number of in-flight ops (a determinism bug).
@@ -68,10 +70,10 @@ class RankSync:
                 f"{int(-lengths[1])}..{int(lengths[0])} across ranks)"
             )
         # One MIN: per op its state, then per op minus its "deadline passed" flag.
-        state = [OK if local.get(i) else FAILED if i in local else NOT_DONE for i in in_flight]
+        state = [local.get(i, NOT_DONE) for i in in_flight]
         late = [-1 if i in expired else 0 for i in in_flight]
         data = torch.tensor(state + late, dtype=torch.int64)
         torch.distributed.all_reduce(data, op=torch.distributed.ReduceOp.MIN, group=self.group)
         self.calls += 1
-        finished = {op: int(data[k]) == OK for k, op in enumerate(in_flight) if int(data[k]) != NOT_DONE}
+        finished = {op: int(data[k]) for k, op in enumerate(in_flight) if int(data[k]) != NOT_DONE}
         return finished, {op for k, op in enumerate(in_flight) if int(data[n + k]) < 0}

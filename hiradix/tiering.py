@@ -29,7 +29,7 @@ from hiradix.io.protocol import LoadPages, StorePages, WorkerSpec
 from hiradix.layerwise import LayerwiseLoader
 from hiradix.layout import KVLayout
 from hiradix.movers import HostMover
-from hiradix.rank_sync import RankSync
+from hiradix.rank_sync import ABORTED, FAILED, OK, RankSync
 from hiradix.tiers.dram import DramPool, default_shm_dir, ensure_private_dir, num_pages_for_bytes
 from hiradix.tiers.nvme import NvmeStore, slot_bytes_for
 from hiradix.transfers import Kind, TierBooks
@@ -56,6 +56,17 @@ class TierStats:
         default_factory=lambda: dict.fromkeys(("started", "completed", "failed", "used", "wasted"), 0)
     )
     admission_skips: int = 0  # times admission skipped a request waiting for its prefetch
+
+
+def _outcome(done: Any) -> int:
+    """A worker ``JobDone`` as a :mod:`hiradix.rank_sync` state.
+
+    A job-level error (worker died, disabled, shut down, job rejected) moved nothing: ABORTED,
+    the source copy stays. Otherwise a page that did not verify makes it FAILED.
+    """
+    if all(done.ok):
+        return OK
+    return ABORTED if done.error else FAILED
 
 
 def _remove_stale_dirs(own_dir: Path) -> None:
@@ -163,7 +174,7 @@ class TierController:
         self.loader: Optional[LayerwiseLoader] = getattr(mover, "loader", None)
         self._prefetch_deadline_s: dict[int, Optional[float]] = {}  # PREFETCH op -> give-up time; None: not yet waited on
         self._expired: set[int] = set()  # PREFETCH op ids whose deadline passed (agreed)
-        self._local_done: dict[int, bool] = {}  # finished here, not yet agreed: op id -> ok
+        self._local_done: dict[int, int] = {}  # finished here, not yet agreed: op id -> rank_sync state
         self._acks: dict[int, Any] = {}  # worker JobDone by op id, until applied
         self.sync = sync or RankSync(None)
         self._last_summary_s = 0.0
@@ -341,12 +352,12 @@ class TierController:
         if now - self._last_summary_s > 10.0:
             self._last_summary_s = now
             logger.info("hiradix: %s", self.summary())
-        self._local_done.update(dict.fromkeys(self.mover.finished(), True))
+        self._local_done.update(dict.fromkeys(self.mover.finished(), OK))
         alive = True
         if self.client is not None:
             alive = self.client.check_alive()
             for done in self.client.poll():
-                self._local_done[done.job_id] = all(done.ok)
+                self._local_done[done.job_id] = _outcome(done)
                 self._acks[done.job_id] = done
         pending = self.books.pending_ids()
         expired_here = {op for op, t in self._prefetch_deadline_s.items() if t is not None and t <= now}
@@ -363,14 +374,15 @@ class TierController:
                 )
             self._demote_last_copies()
 
-    def _apply(self, op_id: int, ok: bool) -> None:
-        """Complete one agreed transfer (``ok``: it succeeded on every rank)."""
+    def _apply(self, op_id: int, outcome: int) -> None:
+        """Complete one agreed transfer (``outcome``: OK, ABORTED or FAILED on every rank)."""
         self._local_done.pop(op_id, None)
         self._prefetch_deadline_s.pop(op_id, None)
         self._expired.discard(op_id)
         done = self._acks.pop(op_id, None)
+        ok = outcome == OK
         flags = (list(done.ok) if done is not None else True) if ok else False
-        op = self.books.complete(op_id, flags)
+        op = self.books.complete(op_id, flags, aborted=outcome == ABORTED)
         if op is None:
             return
         pages = len(op.src_ids)
@@ -396,12 +408,12 @@ class TierController:
         """Single rank only: apply worker acks now (no agreement needed)."""
         for done in acks:
             self._acks[done.job_id] = done
-            self._apply(done.job_id, all(done.ok))
+            self._apply(done.job_id, _outcome(done))
 
     def _reap(self, op_ids: list[int]) -> None:
         """Apply in-process copies that every rank finished at the same point (a flush)."""
         for op_id in sorted(set(op_ids) | {k for k, v in self._local_done.items() if k in self.mover_ops()}):
-            self._apply(op_id, True)
+            self._apply(op_id, OK)
 
     def mover_ops(self) -> set[int]:
         """Ids of in-flight BACKUP/PROMOTE transfers (carried out in this process)."""

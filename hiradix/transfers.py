@@ -201,12 +201,13 @@ class TierBooks:
                 op.nodes.append(upper)
 
     # ------------------------------------------------------------ complete
-    def complete(self, op_id: int, ok: bool | Sequence[bool]) -> Optional[Transfer]:
+    def complete(self, op_id: int, ok: bool | Sequence[bool], aborted: bool = False) -> Optional[Transfer]:
         """Finish transfer ``op_id``; ``ok`` is one flag, or one per page in page order.
 
         Unknown ids (late, duplicate, after :meth:`reset`) change nothing and return ``None``.
         A page that failed makes its node's transfer a miss: the reserved destination pages
         are freed; for PREFETCH the source NVMe copy is dropped (it failed its checksum).
+        ``aborted`` (the worker died or refused the job): nothing moved, the sources stay.
         """
         if op_id in self._quarantine:
             for tier, ids in self._quarantine.pop(op_id):
@@ -219,7 +220,7 @@ class TierBooks:
         used: set[int] = set()
         for node in op.nodes:
             self._unpin(node, op)
-            if node.alive:
+            if node.alive and not aborted:
                 used.update(self._finish_node(op, node, flags))
         if op.kind != Kind.PROMOTE:
             leftover = [d for d in op.dst_ids if d not in used]

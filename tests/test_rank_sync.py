@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from hiradix.rank_sync import RankSync
+from hiradix.rank_sync import ABORTED, FAILED, OK, RankSync
 
 # Per rank: (ops finished here -> ok, ops whose deadline passed here)
 LOCAL = {
-    0: ({1: True, 2: True, 3: False, 5: True}, {4}),
-    1: ({1: True, 2: False, 4: True, 5: True}, set()),
+    0: ({1: OK, 2: OK, 3: FAILED, 5: OK, 6: ABORTED, 7: FAILED}, {4}),
+    1: ({1: OK, 2: FAILED, 4: OK, 5: OK, 6: OK, 7: ABORTED}, set()),
 }
-IN_FLIGHT = [1, 2, 3, 4, 5, 6]
+IN_FLIGHT = [1, 2, 3, 4, 5, 6, 7, 8]
 
 
 def _rank_main(rank: int, init_file: str, out: "mp.Queue") -> None:
@@ -27,7 +27,7 @@ def _rank_main(rank: int, init_file: str, out: "mp.Queue") -> None:
         finished, late = sync.agree(IN_FLIGHT, local, expired)
         mismatch = None
         try:  # a rank with a different in-flight list must be detected, not hang
-            sync.agree(IN_FLIGHT[: 6 - rank], {}, set())
+            sync.agree(IN_FLIGHT[: 8 - rank], {}, set())
         except RuntimeError as exc:
             mismatch = str(exc)
         out.put((rank, finished, late, sync.calls, mismatch))
@@ -53,10 +53,11 @@ def test_two_ranks_apply_the_same_outcomes(tmp_path: Path):
                 p.kill()
     # op 1: ok on both; 2: failed on rank 1 -> failed; 3: finished on rank 0 only -> not yet;
     # 4: finished on rank 1 only -> not yet (but rank 0's deadline passed -> expired everywhere);
-    # 5: ok on both; 6: nowhere.
+    # 5: ok on both; 6: aborted on rank 0 -> aborted (the source stays); 7: a verification
+    # failure wins over an abort; 8: nowhere.
     for rank in (0, 1):
         finished, late, calls, mismatch = results[rank]
-        assert finished == {1: True, 2: False, 5: True}
+        assert finished == {1: OK, 2: FAILED, 5: OK, 6: ABORTED, 7: FAILED}
         assert late == {4}
         assert calls == 3  # 2 for the agreement, 1 for the refused mismatch: equal on every rank
         assert mismatch is not None and "disagree" in mismatch
@@ -64,5 +65,5 @@ def test_two_ranks_apply_the_same_outcomes(tmp_path: Path):
 
 def test_single_rank_is_the_identity_and_makes_no_call():
     sync = RankSync(None)
-    finished, late = sync.agree([1, 2, 3], {1: True, 3: False}, {2})
-    assert finished == {1: True, 3: False} and late == {2} and sync.calls == 0
+    finished, late = sync.agree([1, 2, 3], {1: OK, 3: FAILED}, {2})
+    assert finished == {1: OK, 3: FAILED} and late == {2} and sync.calls == 0

@@ -275,3 +275,18 @@ def test_nvme_switched_off_forgets_its_copies():
     h.check()
     assert not a.alive and not b.alive and keep.tiers() == [Tier.HBM]
     assert h.tree.tier_tokens[Tier.NVME] == 0 and not h.books.nvme_enabled
+
+
+def test_aborted_prefetch_keeps_the_nvme_copy():
+    """A worker death is not a checksum failure: nothing moved, the NVMe copy stays."""
+    h = Harness(dram_pages=8, nvme_slots=8)
+    x, _ = h.insert([1] * 4)
+    h.books.complete(h.backup([x]).op_id, True)
+    h.evict_hbm(4)
+    h.books.complete(h.demote(x).op_id, True)
+    op = h.books.prepare(Kind.PREFETCH, [x])
+    h.check()
+    h.books.complete(op.op_id, False, aborted=True)
+    h.check()
+    assert x.alive and x.tiers() == [Tier.NVME] and h.books.dram.num_used == 0
+    assert x.pinned == [0, 0, 0]
