@@ -23,7 +23,7 @@ promotions whose every layer has landed, so their DRAM pages can be unpinned.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 

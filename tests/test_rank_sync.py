@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 from pathlib import Path
 
-import pytest
 import torch
 
 from hiradix.rank_sync import ABORTED, FAILED, OK, RankSync
