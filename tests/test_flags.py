@@ -424,6 +424,7 @@ def parse_in_process(argv: list[str], monkeypatch) -> object:
 def test_valid_flags_become_config_backend_and_page_size(monkeypatch, llama_dir, tmp_path):
     monkeypatch.delenv(ENV_VAR, raising=False)
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "nvme").mkdir()
     args = parse_in_process(
         ["--model-path", str(llama_dir), "--enable-hiradix", "--hiradix-dram-gb", "0.5",
          "--hiradix-nvme-path", "nvme", "--hiradix-nvme-gb", "0.25",
