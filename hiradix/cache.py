@@ -327,10 +327,7 @@ class HiRadixCache(BasePrefixCache):
         Raises:
             hiradix.tree.IntegrityError: naming the broken invariant.
         """
-        if self.tiers is not None:
-            self.tiers.books.check_integrity()
-        else:
-            self.tree.check_integrity()
+        (self.tree if self.tiers is None else self.tiers.books).check_integrity()  # books check the tree too
 
 
 def create_hiradix_cache(ctx: TreeCacheBuildContext) -> HiRadixCache:

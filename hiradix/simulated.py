@@ -402,10 +402,7 @@ class SimPrefixCache:
         Raises:
             hiradix.tree.IntegrityError: naming the broken invariant.
         """
-        if self.tiers is not None:
-            self.tiers.books.check_integrity()
-        else:
-            self.tree.check_integrity()
+        (self.tree if self.tiers is None else self.tiers.books).check_integrity()  # books check the tree too
         held = self.tree.hbm_evictable_tokens + self.tree.hbm_protected_tokens
         used = self.device.num_used_tokens()
         if used != held + request_tokens:

@@ -160,7 +160,6 @@ class TieredRadixTree:
         self.page_size = page_size
         self.policy = policy or LRUPolicy()
         self.clock = clock
-        self.on_delete: Optional[Callable[[TreeNode], None]] = None  # called after a node is deleted
         self.on_split: Optional[Callable[[TreeNode, TreeNode], None]] = None  # (lower, new upper)
         self.reset()
 
@@ -360,8 +359,6 @@ class TieredRadixTree:
             cands.discard(node)
         node.parent = None
         self._refresh(parent)
-        if self.on_delete is not None:
-            self.on_delete(node)
 
     # ------------------------------------------------------------------ split
     def _split(self, node: TreeNode, n: int) -> TreeNode:
