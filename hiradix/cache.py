@@ -58,12 +58,17 @@ class HiRadixCache(BasePrefixCache):
     Args:
         params: SGLang's ``CacheInitParams`` (pools, allocator, ``page_size`` in tokens).
         config: validated hiradix settings (tier sizes in bytes, policy, write policy).
+        kv_pool: SGLang's device KV pool; None builds the tree without lower tiers (tests).
+        tp_rank: this scheduler's tensor-parallel rank.
+        identity: model identity for the NVMe index fingerprint (see
+            ``TierController.for_device_pool``); None: the NVMe tier is not persisted.
 
     Raises:
         ValueError: unknown policy name in ``config``.
     """
 
-    def __init__(self, params: CacheInitParams, config: HiRadixConfig, kv_pool: Any = None, tp_rank: int = 0):
+    def __init__(self, params: CacheInitParams, config: HiRadixConfig, kv_pool: Any = None, tp_rank: int = 0,
+                 identity: Optional[dict] = None):
         # TP ranks agree on asynchronous completions over SGLang's CPU group (hiradix.rank_sync).
         self.disable = False
         self.config = config
@@ -82,7 +87,8 @@ class HiRadixCache(BasePrefixCache):
             from hiradix.tiering import TierController
 
             self.tiers = TierController.for_device_pool(
-                self.tree, config, kv_pool, self.page_size, tp_rank, tp_group=params.tp_cache_group
+                self.tree, config, kv_pool, self.page_size, tp_rank, tp_group=params.tp_cache_group,
+                identity=identity,
             )
         self.tier_metrics = None
         if params.enable_metrics:
@@ -340,7 +346,14 @@ def create_hiradix_cache(ctx: TreeCacheBuildContext) -> HiRadixCache:
 
     config = config_from_server_args(ctx.server_args)
     kv_pool = ctx.tp_worker.model_runner.token_to_kv_pool
-    cache = HiRadixCache(ctx.params, config, kv_pool=kv_pool, tp_rank=ctx.tp_rank)
+    identity = None
+    if config.nvme_bytes > 0:
+        from hiradix.fingerprint import model_identity
+
+        args = ctx.server_args
+        identity = {"model_id": model_identity(args.model_path, getattr(args, "revision", None)),
+                    "model_dtype": str(ctx.model_config.dtype), "tp_size": ctx.tp_size}
+    cache = HiRadixCache(ctx.params, config, kv_pool=kv_pool, tp_rank=ctx.tp_rank, identity=identity)
     if cache.tiers is not None:
         kv_pool.register_layer_transfer_counter(cache.tiers.loader)
         ctx.tp_worker.register_hicache_layer_transfer_counter(cache.tiers.loader)

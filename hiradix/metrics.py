@@ -21,6 +21,8 @@ before spawning it, so the HTTP server's ``/metrics`` aggregates these).
 
 from __future__ import annotations
 
+import collections
+
 from typing import Any, Optional
 
 TIERS = ("HBM", "DRAM", "NVMe")
@@ -49,6 +51,8 @@ class TierMetrics:
         self.window = Gauge("hiradix_lookahead_window_requests", "Requests in the look-ahead window", names, **gauge)
         self.prefetch_window = Gauge("hiradix_prefetch_window_requests", "Prefetch window L_pw", names, **gauge)
         self.protected = Gauge("hiradix_protected_nodes", "Nodes needed by queued requests", names, **gauge)
+        self.in_flight = Gauge("hiradix_transfers_in_flight", "Transfers in flight by kind", names + ["kind"], **gauge)
+        self.restored = Gauge("hiradix_nvme_restored_pages", "NVMe pages re-indexed at start", names, **gauge)
 
     def _advance(self, counter: Any, key: tuple, total: float, **extra: str) -> None:
         delta = total - self._seen.get(key, 0)
@@ -70,6 +74,10 @@ class TierMetrics:
         self._advance(self.skips, ("skips",), stats.admission_skips)
         for tier, value in zip(TIERS, tier_tokens):
             self.tier_tokens.labels(**self.labels, tier=tier).set(value)
+        in_flight = collections.Counter(op.kind.name for op in books.ops.values())
+        for kind in stats.bytes_moved:
+            self.in_flight.labels(**self.labels, kind=kind).set(in_flight.get(kind, 0))
+        self.restored.labels(**self.labels).set(stats.restored_pages)
         if view is not None:
             self.window.labels(**self.labels).set(view.window)
             self.prefetch_window.labels(**self.labels).set(view.prefetch_window)

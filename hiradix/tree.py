@@ -351,6 +351,30 @@ class TieredRadixTree:
             self._refresh_around(node)
         return ids
 
+    def restore(self, parent: TreeNode, tokens: Sequence[int], namespace: Optional[tuple], nvme_slots: Sequence[int]) -> TreeNode:
+        """Add a child of ``parent`` held only on NVMe (re-indexing persisted pages at start).
+
+        Args:
+            parent: the root or a node already in the tree.
+            tokens: the child's token ids, whole pages.
+            namespace: see :meth:`match`.
+            nvme_slots: one NVMe slot per page.
+
+        Raises:
+            ValueError: ``tokens`` is not whole pages, the slot count differs, or ``parent``
+                already has a child starting with this page.
+        """
+        if not tokens or len(tokens) % self.page_size or len(nvme_slots) != len(tokens) // self.page_size:
+            raise ValueError(f"{len(tokens)} tokens / {len(nvme_slots)} slots is not whole pages of {self.page_size}")
+        key = self._child_key(parent, tokens, 0, namespace)
+        if key in parent.children:
+            raise ValueError(f"{parent} already has a child for page {key}")
+        node = TreeNode(next(self._ids), parent, array("q", tokens), namespace)
+        node.last_access_s = self.clock()
+        parent.children[key] = node
+        self.attach(node, Tier.NVME, list(nvme_slots))
+        return node
+
     def _delete(self, node: TreeNode) -> None:
         assert not node.children and not node.tiers(), node
         parent = node.parent

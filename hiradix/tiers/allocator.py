@@ -90,6 +90,20 @@ class PageAllocator:
             self._used[page_id] = 0
         self._free.extend(reversed(ids))
 
+    def claim(self, page_ids: Iterable[int]) -> None:
+        """Take these specific free ids (re-indexing persisted pages at start), all or nothing.
+
+        O(capacity). Raises:
+            ValueError: an id out of range, already used, or repeated; nothing changes then.
+        """
+        ids = [self._check_range(page_id) for page_id in page_ids]
+        if len(set(ids)) != len(ids) or any(self._used[i] for i in ids):
+            raise ValueError("claim of a used or repeated page id")
+        taken = set(ids)
+        for page_id in ids:
+            self._used[page_id] = 1
+        self._free = [i for i in self._free if i not in taken]
+
     def is_used(self, page_id: int) -> bool:
         """Whether ``page_id`` is allocated.
 

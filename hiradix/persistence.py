@@ -1,0 +1,94 @@
+"""Glue between the tree and the NVMe tier's durable index (restart persistence).
+
+:class:`IndexJournal` is what :class:`hiradix.transfers.TierBooks` reports NVMe slot changes to:
+it turns a node into its pages' prefix-chain records for :class:`hiradix.tiers.nvme_index.NvmeIndex`
+(a slot is invalidated before it is rewritten; put once its demotion landed). :func:`restore`
+rebuilds NVMe-only nodes from the index's pages at start, merging single-child chains into
+one node per edge, as :meth:`TieredRadixTree.insert` would have built them.
+
+Only slot ids, token ids and hashes cross here; the index file is the only I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+from hiradix.tiers.nvme_index import NvmeIndex, Page, page_hash
+from hiradix.transfers import TierBooks
+from hiradix.tree import TieredRadixTree, TreeNode
+
+logger = logging.getLogger(__name__)
+
+
+class IndexJournal:
+    """Implements :class:`hiradix.transfers.NvmeJournal` over an :class:`NvmeIndex`.
+
+    Attributes:
+        landed: nodes whose NVMe copy landed since the caller last drained it (the tier
+            controller persists their ancestors too, so a restart finds whole prefixes).
+    """
+
+    def __init__(self, index: NvmeIndex, tree: TieredRadixTree):
+        self.index = index
+        self.tree = tree
+        self.landed: list[TreeNode] = []
+
+    def invalidate(self, slots: Sequence[int]) -> None:
+        self.index.invalidate(slots)
+
+    def stored(self, node: TreeNode, slots: Sequence[int]) -> None:
+        ps = self.tree.page_size
+        parent = b""
+        for ancestor in self.tree.path(node)[:-1]:
+            for i in range(0, ancestor.num_tokens, ps):
+                parent = page_hash(parent, node.namespace, ancestor.tokens[i : i + ps])
+        pages = [node.tokens[i : i + ps] for i in range(0, node.num_tokens, ps)]
+        self.index.record(slots, parent, pages, node.namespace)
+        self.landed.append(node)
+
+
+def restore(tree: TieredRadixTree, books: TierBooks, pages: list[Page]) -> int:
+    """Re-index persisted pages as NVMe-only nodes of an empty ``tree``; claim their slots.
+
+    Args:
+        pages: from :meth:`NvmeIndex.open`, parents before children.
+
+    Returns:
+        Pages restored. Slots the NVMe allocator cannot take (out of range) are skipped.
+    """
+    if books.nvme is None or not pages:
+        return 0
+    children: dict[bytes, list[Page]] = {}
+    for page in pages:
+        if page.slot < books.nvme.capacity:
+            children.setdefault(page.parent_hash, []).append(page)
+    restored = 0
+    stack: list[tuple[TreeNode, Page]] = [(tree.root, p) for p in children.get(b"", [])]
+    while stack:
+        parent_node, first = stack.pop()
+        chain = [first]
+        while len(children.get(chain[-1].hash, ())) == 1:
+            chain.append(children[chain[-1].hash][0])
+        node = _restore_edge(tree, books, parent_node, chain)
+        if node is None:
+            continue
+        restored += len(chain)
+        stack.extend((node, p) for p in children.get(chain[-1].hash, []))
+    return restored
+
+
+def _restore_edge(tree: TieredRadixTree, books: TierBooks, parent: TreeNode, chain: list[Page]) -> Optional[TreeNode]:
+    tokens = [t for p in chain for t in p.tokens]
+    slots = [p.slot for p in chain]
+    try:
+        books.nvme.claim(slots)
+    except ValueError:
+        logger.warning("hiradix: persisted NVMe slots %s are claimed twice; not re-indexed", slots[:4])
+        return None
+    try:
+        return tree.restore(parent, tokens, chain[0].namespace, slots)
+    except ValueError as exc:
+        books.nvme.free(slots)
+        logger.warning("hiradix: persisted pages not re-indexed: %s", exc)
+        return None
