@@ -8,8 +8,9 @@ on disk: NVMe I/O happens in the I/O worker process.
 
 Per scheduler step (:meth:`step`, from SGLang's per-step cache-event hook) it reaps finished
 copies and worker acks, checks the worker's liveness (a dead worker's jobs become misses; it is
-respawned; after repeated deaths the NVMe tier is switched off with one warning), and demotes
-DRAM-only nodes to NVMe while DRAM is short of free pages.
+respawned), switches the NVMe tier off with one warning after repeated worker deaths or
+``MAX_NVME_FAILURES_IN_ROW`` failed NVMe writes or reads in a row (the cache then goes on with
+HBM and DRAM), and demotes DRAM-only nodes to NVMe while DRAM is short of free pages.
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ from hiradix.io.client import IOWorkerClient
 from hiradix.io.protocol import LoadPages, StorePages, WorkerSpec
 from hiradix.layerwise import LayerwiseLoader
 from hiradix.layout import KVLayout
+from hiradix.fingerprint import kv_fingerprint
 from hiradix.movers import HostMover
+from hiradix.persistence import IndexJournal, restore
 from hiradix.rank_sync import ABORTED, FAILED, OK, RankSync
 from hiradix.tiers.dram import DramPool, default_shm_dir, ensure_private_dir, num_pages_for_bytes
-from hiradix.tiers.nvme import NvmeStore, slot_bytes_for
+from hiradix.tiers.nvme import NVME_FILE_NAME, NvmeStore, slot_bytes_for
+from hiradix.tiers.nvme_index import INDEX_FILE_NAME, NvmeIndex
 from hiradix.transfers import Kind, TierBooks
 from hiradix.tree import TieredRadixTree, Tier, TreeNode
 
@@ -42,6 +46,9 @@ DRAM_FREE_LOW = 0.25
 MAX_DEMOTIONS_IN_FLIGHT = 64  # worker jobs, each one node
 # An HBM eviction that needs DRAM room waits at most this long for demotions in flight.
 DEMOTION_WAIT_S = 0.2
+# Worker jobs of one direction (NVMe writes, or reads) that fail in a row before the NVMe tier
+# is switched off: a healthy disk fails none, so this many in a row is a broken tier.
+MAX_NVME_FAILURES_IN_ROW = 5
 
 
 @dataclass
@@ -56,6 +63,7 @@ class TierStats:
         default_factory=lambda: dict.fromkeys(("started", "completed", "failed", "used", "wasted"), 0)
     )
     admission_skips: int = 0  # times admission skipped a request waiting for its prefetch
+    restored_pages: int = 0  # NVMe pages re-indexed from the durable index at start
 
 
 def _outcome(done: Any) -> int:
@@ -112,9 +120,10 @@ def _lock_nvme_dir(nvme_dir: Path) -> int:
     return fd
 
 
-def _start_worker(dram: DramPool, nvme_dir: Path, nvme_slots: int, shm_dir: Path, io_backend: str) -> IOWorkerClient:
-    """Create the NVMe slot file and spawn this rank's I/O worker over it."""
-    store = NvmeStore.create(nvme_dir, dram.layout.page_bytes, nvme_slots, backend=io_backend)
+def _start_worker(dram: DramPool, nvme_dir: Path, nvme_slots: int, shm_dir: Path, io_backend: str,
+                  keep: bool = False) -> IOWorkerClient:
+    """Create (``keep``: reuse) the NVMe slot file and spawn this rank's I/O worker over it."""
+    store = NvmeStore.create(nvme_dir, dram.layout.page_bytes, nvme_slots, backend=io_backend, keep=keep)
     backend = store.backend
     store.close()  # the worker owns NVMe I/O; this process only created the file
     spec = WorkerSpec(
@@ -176,6 +185,9 @@ class TierController:
         self._expired: set[int] = set()  # PREFETCH op ids whose deadline passed (agreed)
         self._local_done: dict[int, int] = {}  # finished here, not yet agreed: op id -> rank_sync state
         self._acks: dict[int, Any] = {}  # worker JobDone by op id, until applied
+        self._nvme_failures_in_row = {Kind.DEMOTE: 0, Kind.PREFETCH: 0}  # failed worker jobs in a row
+        self.nvme_off_reason: Optional[str] = None  # set once: why the NVMe tier is switched off
+        self.journal: Optional[IndexJournal] = None  # durable NVMe index (restart persistence)
         self.sync = sync or RankSync(None)
         self._last_summary_s = 0.0
         self._resources: list[Callable[[], None]] = []  # called by close()
@@ -190,6 +202,7 @@ class TierController:
         tp_rank: int = 0,
         io_backend: str = "auto",
         tp_group: Optional[Any] = None,
+        identity: Optional[dict] = None,
     ) -> TierController:
         """The real tiers of one scheduler process: a shared-memory DRAM pool, an NVMe store
         served by a spawned I/O worker, and the in-process host mover.
@@ -202,6 +215,9 @@ class TierController:
             tp_rank: this rank (names the private directories).
             io_backend: NVMe backend for the worker ("auto", "posix", "kvikio").
             tp_group: TP CPU process group (None for one rank); completions are agreed over it.
+            identity: ``model_id``, ``model_dtype`` and ``tp_size`` for the NVMe index's
+                fingerprint (:mod:`hiradix.fingerprint`); None: the NVMe tier starts empty
+                and is not persisted.
 
         Raises:
             OSError, PermissionError: a tier's files cannot be created.
@@ -210,20 +226,33 @@ class TierController:
         layout = KVLayout.from_device_pool(kv_pool, page_size)
         shm_dir = Path(f"{default_shm_dir()}-rank{tp_rank}")
         _remove_stale_dirs(shm_dir)
+        ensure_private_dir(shm_dir)  # 0700: it holds the worker's socket directory
         dram_pages = num_pages_for_bytes(config.dram_bytes, layout)
         dram = DramPool.create_anonymous(layout, dram_pages)
-        client, nvme_slots, lock_fd = None, 0, -1
+        client, nvme_slots, lock_fd, index, pages = None, 0, -1, None, []
         if config.nvme_bytes > 0:
             nvme_slots = config.nvme_bytes // slot_bytes_for(layout.page_bytes)
             nvme_dir = Path(config.nvme_path) / f"hiradix-rank{tp_rank}"
             lock_fd = _lock_nvme_dir(nvme_dir)
-            client = _start_worker(dram, nvme_dir, nvme_slots, shm_dir, io_backend)
+            if identity is not None:
+                fingerprint = kv_fingerprint(identity["model_id"], identity["model_dtype"], layout, tp_rank,
+                                             identity["tp_size"], slot_bytes_for(layout.page_bytes))
+                if not (nvme_dir / NVME_FILE_NAME).exists() and (nvme_dir / INDEX_FILE_NAME).exists():
+                    logger.warning("hiradix: %s has an NVMe index but no slot file; starting empty", nvme_dir)
+                    (nvme_dir / INDEX_FILE_NAME).unlink()
+                index, pages = NvmeIndex.open(nvme_dir, fingerprint, nvme_slots, page_size)
+            client = _start_worker(dram, nvme_dir, nvme_slots, shm_dir, io_backend, keep=index is not None and index.reused)
         books = TierBooks(tree, dram_pages, nvme_slots, dram_free_low_pages=int(DRAM_FREE_LOW * dram_pages))
         loader = LayerwiseLoader(layout.num_layers, kv_pool.k_buffer[0].device)
         mover = HostMover(kv_pool, dram, loader)
         sync = RankSync(tp_group if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1 else None)
         tiers = cls(tree, books, mover, client, layout.page_bytes, config.write_policy == "write_through", sync=sync)
         tiers._resources += [dram.close, lambda: shutil.rmtree(shm_dir, ignore_errors=True)]
+        if index is not None:
+            tiers.stats.restored_pages = restore(tree, books, pages)
+            tiers.journal = IndexJournal(index, tree)
+            books.nvme_journal = tiers.journal
+            tiers._resources.append(index.close)
         if lock_fd >= 0:
             tiers._resources.append(lambda: os.close(lock_fd))
         logger.info("hiradix tiers: DRAM %d pages (%d B each) at %s; NVMe %d slots", dram_pages, layout.page_bytes, dram.path, nvme_slots)
@@ -255,10 +284,12 @@ class TierController:
             if node.num_tiers == 1 and not self._backup_now(node):
                 # No DRAM room even after dropping DRAM's own last copies: the node's KV is
                 # lost, and so is what hangs below it (unreachable without this prefix).
+                # Transfers still using them (a slow disk) are abandoned: SGLang counted this
+                # node as evictable and must get its slots (else "Prefill out of memory").
                 for child in list(node.children.values()):
-                    self.books.drop_subtree(child)
+                    self.books.abandon_subtree(child)
                 if node.children:
-                    continue  # a child's copy is pinned by a transfer in flight; next victim
+                    continue  # a transfer also moves nodes elsewhere (not expected); next victim
                 self.books.dropped_tokens[Tier.HBM] += node.num_tokens
             evicted += node.num_tokens
             freed.append(self.tree.detach(node, Tier.HBM))
@@ -366,13 +397,11 @@ class TierController:
         for op_id in sorted(finished):
             self._apply(op_id, finished[op_id])
         if self.client is not None:
-            if not alive and self.client.disabled and self.books.nvme_enabled:
-                freed = self.books.forget_nvme()
-                logger.warning(
-                    "hiradix: the I/O worker keeps dying; NVMe tier switched off (%d pages forgotten), "
-                    "serving from HBM and DRAM", freed,
-                )
+            if not alive and self.client.disabled and self.nvme_off_reason is None:
+                self.nvme_off_reason = "the I/O worker keeps dying"
+            self._switch_off_nvme()
             self._demote_last_copies()
+            self._persist_prefixes()
 
     def _apply(self, op_id: int, outcome: int) -> None:
         """Complete one agreed transfer (``outcome``: OK, ABORTED or FAILED on every rank)."""
@@ -382,7 +411,9 @@ class TierController:
         done = self._acks.pop(op_id, None)
         ok = outcome == OK
         flags = (list(done.ok) if done is not None else True) if ok else False
-        op = self.books.complete(op_id, flags, aborted=outcome == ABORTED)
+        # A store that lands after the NVMe tier was switched off is not used (nothing attached).
+        late_store = not self.books.nvme_enabled and op_id in self.books.ops and self.books.ops[op_id].kind == Kind.DEMOTE
+        op = self.books.complete(op_id, flags, aborted=outcome == ABORTED or late_store)
         if op is None:
             return
         pages = len(op.src_ids)
@@ -390,9 +421,37 @@ class TierController:
         self.stats.bytes_moved[op.kind.name] += ok_pages * self.page_bytes
         if ok_pages < pages:
             self.stats.transfers_failed[op.kind.name] += 1
+        if op.kind in self._nvme_failures_in_row and outcome != ABORTED:
+            self._note_nvme_outcome(op.kind, ok_pages == pages)
         if op.kind == Kind.PREFETCH:
             self.stats.prefetch_tokens["completed"] += ok_pages * self.tree.page_size
             self.stats.prefetch_tokens["failed"] += (pages - ok_pages) * self.tree.page_size
+
+    def _note_nvme_outcome(self, kind: Kind, ok: bool) -> None:
+        """Count worker jobs of one direction (DEMOTE = writes, PREFETCH = reads) that failed
+        in a row: I/O errors, ENOSPC, short reads, checksum mismatches (aborted jobs, e.g. of
+        a dead worker, are the client's business). At ``MAX_NVME_FAILURES_IN_ROW`` the NVMe
+        tier is switched off at the end of the step (:meth:`_switch_off_nvme`)."""
+        streak = 0 if ok else self._nvme_failures_in_row[kind] + 1
+        self._nvme_failures_in_row[kind] = streak
+        if streak >= MAX_NVME_FAILURES_IN_ROW and self.nvme_off_reason is None:
+            verb = "writes" if kind == Kind.DEMOTE else "reads"
+            self.nvme_off_reason = f"{streak} NVMe {verb} in a row failed (see the I/O worker's warnings)"
+
+    def _switch_off_nvme(self) -> None:
+        """Once ``nvme_off_reason`` is set: forget the NVMe copies and warn, once.
+
+        Copies pinned by a transfer in flight at that moment are forgotten at a later step,
+        once it has completed (a store that lands meanwhile is not attached, see :meth:`_apply`).
+        """
+        if self.nvme_off_reason is None:
+            return
+        if self.books.nvme_enabled:
+            freed = self.books.forget_nvme()
+            logger.warning("hiradix: NVMe tier switched off: %s; %d pages forgotten, serving from HBM and DRAM",
+                           self.nvme_off_reason, freed)
+        elif self.tree.tier_tokens[Tier.NVME]:
+            self.books.forget_nvme()
 
     def summary(self) -> str:
         """One line of tier occupancy and counters, for logs."""
@@ -441,6 +500,50 @@ class TierController:
             self.client.submit(StorePages(op.op_id, op.src_ids, op.dst_ids))
             in_flight += 1
 
+    def _persist_prefixes(self) -> None:
+        """Restart persistence: put the ancestors of what landed on NVMe there too.
+
+        HBM eviction takes leaves first, so without this the first pages of a prefix (a
+        system prompt, an early turn) would stay in HBM/DRAM and every persisted page below
+        them would be unreachable after a restart (SGLang HiCache's "0 cached tokens after
+        restart"). Ancestors in DRAM are copied down (their DRAM copy stays unless DRAM is
+        short); ancestors only in HBM (``write_back``) are backed up to DRAM first.
+        """
+        if self.journal is None:
+            return
+        if not self.books.nvme_enabled:
+            self.journal.index.sync()
+            return
+        in_flight = len(self.books.in_flight(Kind.DEMOTE))
+        waiting = []
+        for node in dict.fromkeys(self.journal.landed):
+            path = self._attached_path(node) if node.alive and node.in_tier(Tier.NVME) else None
+            missing = [a for a in path[:-1] if not a.in_tier(Tier.NVME)] if path else []
+            if missing:
+                waiting.append(node)
+            for ancestor in missing:
+                if ancestor.ops or in_flight >= MAX_DEMOTIONS_IN_FLIGHT:
+                    continue  # a transfer is using it (maybe this very copy): next step
+                kind = Kind.DEMOTE if ancestor.in_tier(Tier.DRAM) else Kind.BACKUP
+                op = self.books.prepare(kind, [ancestor])
+                if op is None:
+                    continue
+                if kind == Kind.DEMOTE:
+                    self.client.submit(StorePages(op.op_id, op.src_ids, op.dst_ids))
+                    in_flight += 1
+                else:
+                    self.mover.backup(op)
+        self.journal.landed = waiting
+        self.journal.index.sync()
+
+    def _attached_path(self, node: TreeNode) -> Optional[list[TreeNode]]:
+        """Root's child .. ``node``, or None if ``node`` no longer hangs under this tree's root."""
+        path = []
+        while node is not None and node is not self.tree.root:
+            path.append(node)
+            node = node.parent
+        return path[::-1] if node is self.tree.root else None
+
     # ------------------------------------------------------------ lifecycle
     def reset(self) -> None:
         """Forget every lower-tier copy (SGLang's ``flush_cache``)."""
@@ -449,6 +552,8 @@ class TierController:
         self.books.reset()
         self._prefetch_deadline_s.clear()
         self._expired.clear()
+        if self.journal is not None:
+            self.journal.landed.clear()  # nodes of the old tree
 
     def close(self) -> None:
         """Stop the worker and release this rank's shared-memory files."""

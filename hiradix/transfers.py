@@ -23,7 +23,7 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Protocol, Sequence
 
 from hiradix.tiers.allocator import PageAllocator
 from hiradix.tree import IntegrityError, TieredRadixTree, Tier, TreeNode
@@ -61,6 +61,14 @@ class Transfer:
     ahead: bool = False  # PREFETCH started by the look-ahead window, before admission
 
 
+class NvmeJournal(Protocol):
+    """What the books tell the durable NVMe index (:class:`hiradix.tiering.TierController`)."""
+
+    def invalidate(self, slots: Sequence[int]) -> None: ...
+
+    def stored(self, node: TreeNode, slots: Sequence[int]) -> None: ...
+
+
 def page_ids(node: TreeNode, tier: Tier, page_size: int) -> list[int]:
     """Per-page ids of ``node``'s copy in ``tier`` (HBM: first slot of each page)."""
     ids = node.ids_in(tier)
@@ -94,6 +102,10 @@ class TierBooks:
         self._quarantine: dict[int, list[tuple[Tier, list[int]]]] = {}  # op id -> ids freed at its ack
         self.dropped_tokens = [0, 0, 0]  # tokens that left their last tier, per tier
         self.wasted_prefetch_tokens = 0  # prefetched into DRAM, dropped before a promotion
+        # Durable NVMe index (hiradix.tiers.nvme_index), injected by the tier controller:
+        # ``invalidate(slots)`` before a slot is rewritten or when it is freed, and
+        # ``stored(node, slots)`` once a demotion landed. None: nothing is persisted.
+        self.nvme_journal: Optional[NvmeJournal] = None
         tree.on_split = self._follow_split
 
     # ------------------------------------------------------------- allocation
@@ -114,7 +126,10 @@ class TierBooks:
             return None
         if pool.num_free < n:
             self.make_room(tier, n - pool.num_free, allow_drop=allow_drop)
-        return pool.alloc(n)
+        ids = pool.alloc(n)
+        if ids and tier == Tier.NVME and self.nvme_journal is not None:
+            self.nvme_journal.invalidate(ids)  # durable before any new byte reaches the slot
+        return ids
 
     def make_room(self, tier: Tier, num_pages: int, *, allow_drop: Optional[bool] = None) -> int:
         """Free at least ``num_pages`` pages of ``tier`` if possible; returns pages freed."""
@@ -145,6 +160,8 @@ class TierBooks:
             self.wasted_prefetch_tokens += node.num_tokens  # read up from NVMe, never used
         ids = self.tree.detach(node, tier)
         self.allocator(tier).free(ids)
+        if tier == Tier.NVME and self.nvme_journal is not None:
+            self.nvme_journal.invalidate(ids)
         return len(ids)
 
     # ------------------------------------------------------------- prepare
@@ -212,6 +229,8 @@ class TierBooks:
         if op_id in self._quarantine:
             for tier, ids in self._quarantine.pop(op_id):
                 self.allocator(tier).free(ids)
+                if tier == Tier.NVME and self.nvme_journal is not None:
+                    self.nvme_journal.invalidate(ids)
             return None
         op = self.ops.pop(op_id, None)
         if op is None:
@@ -251,6 +270,8 @@ class TierBooks:
             return []
         dst = [op.dst_of[s] for s in src]
         self.tree.attach(node, kind.dst, dst)
+        if kind == Kind.DEMOTE and self.nvme_journal is not None:
+            self.nvme_journal.stored(node, dst)
         if kind == Kind.PREFETCH:
             node.nvme_loaded = not op.ahead
         if kind == Kind.DEMOTE and node.pinned[Tier.DRAM] == 0 and self.dram.num_free < self.dram_free_low_pages:
@@ -282,6 +303,50 @@ class TierBooks:
             if node.alive and node.in_tier(tier) and node.pinned[tier] == 0 and (node.num_tiers > 1 or not node.children):
                 self.drop_copy(node, tier)
 
+    def abandon_subtree(self, node: TreeNode) -> bool:
+        """Forget ``node`` and its descendants on DRAM/NVMe, even copies transfers are using.
+
+        For an HBM eviction that must make progress after the prefix above them was lost
+        (their KV is unreachable now). The worker transfers touching them go to the
+        quarantine, as in :meth:`reset`: their pages stay reserved until the ack, so a late
+        write cannot land in a reused page. None of the nodes may be in HBM.
+
+        Returns:
+            False (and nothing changed) if a transfer also moves a node outside the subtree.
+        """
+        nodes, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            nodes.append(n)
+            stack.extend(n.children.values())
+        inside = set(nodes)
+        ops = {op_id: self.ops[op_id] for n in nodes for op_id in n.ops if op_id in self.ops}
+        if any(m.alive and m not in inside for op in ops.values() for m in op.nodes):
+            return False
+        for op_id, op in ops.items():
+            del self.ops[op_id]
+            self._quarantine[op_id] = [(op.kind.src, list(op.src_ids)), (op.kind.dst, list(op.dst_ids))]
+            for m in op.nodes:
+                if m.alive:
+                    self._unpin(m, op)
+        held = {(t, i) for q in self._quarantine.values() for t, ids in q for i in ids}
+        for n in reversed(nodes):  # children before their parents
+            for tier in (Tier.NVME, Tier.DRAM):
+                if n.alive and n.in_tier(tier):
+                    self._forget_copy(n, tier, held)
+        return True
+
+    def _forget_copy(self, node: TreeNode, tier: Tier, held: set) -> None:
+        """:meth:`drop_copy`, but ids the quarantine holds stay reserved (freed at their ack)."""
+        if node.num_tiers == 1:
+            self.dropped_tokens[tier] += node.num_tokens
+        if tier == Tier.DRAM and node.nvme_loaded:
+            self.wasted_prefetch_tokens += node.num_tokens
+        ids = [i for i in self.tree.detach(node, tier) if (tier, i) not in held]
+        self.allocator(tier).free(ids)
+        if tier == Tier.NVME and self.nvme_journal is not None:
+            self.nvme_journal.invalidate(ids)
+
     # --------------------------------------------------------------- reset
     def reset(self) -> None:
         """Forget every node's lower-tier copy; pages of in-flight worker transfers stay
@@ -299,6 +364,8 @@ class TierBooks:
             if pool is not None:
                 used = [i for i in range(pool.capacity) if pool.is_used(i) and i not in quarantined[tier]]
                 pool.free(used)
+                if tier == Tier.NVME and self.nvme_journal is not None:
+                    self.nvme_journal.invalidate(used)
 
     def hold(self, nodes: Iterable[TreeNode], tier: Tier) -> None:
         """Pin ``nodes``' copies in ``tier`` for a moment (nothing may evict them)."""

@@ -61,3 +61,14 @@ def tiny_model(venv_python: str) -> Path:
         check=True,
     )
     return path
+
+
+@pytest.fixture(scope="session")
+def stock_outputs(tiny_model: Path, tmp_path_factory) -> list[list[dict]]:
+    """Greedy outputs of stock SGLang on the e2e workload (``tests.e2e_helpers``): 20 sessions
+    x 4 turns, an HBM pool that keeps everything, a queue (2 running). Once per session."""
+    from tests.e2e_helpers import SESSIONS, TURNS, WORDS, run_sessions, start
+
+    log = tmp_path_factory.mktemp("stock") / "stock.log"
+    with start(tiny_model, log, 32768, ["--max-running-requests", "2"]) as stock:
+        return run_sessions(stock.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS)

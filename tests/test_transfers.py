@@ -290,3 +290,28 @@ def test_aborted_prefetch_keeps_the_nvme_copy():
     h.check()
     assert x.alive and x.tiers() == [Tier.NVME] and h.books.dram.num_used == 0
     assert x.pinned == [0, 0, 0]
+
+
+def test_abandon_subtree_quarantines_transfers_in_flight():
+    """A slow disk pins a DRAM-only child (demotion in flight) under an HBM-only parent that
+    must be evicted: the child is forgotten at once, its pages stay reserved until the ack."""
+    h = Harness(dram_pages=4, nvme_slots=8)
+    parent, _ = h.insert([1, 2, 3, 4])
+    child, _ = h.insert([1, 2, 3, 4, 5, 6, 7, 8])
+    h.books.complete(h.backup([child]).op_id, True)
+    h.evict_hbm(4)  # the leaf goes: child is DRAM-only now
+    assert child.tiers() == [Tier.DRAM] and parent.tiers() == [Tier.HBM]
+    op = h.demote(child)  # the worker is slow: this never acks in time
+    h.check()
+    h.books.drop_subtree(child)
+    assert child.alive  # a pinned copy cannot be dropped
+    assert h.books.abandon_subtree(child)
+    h.check()
+    assert not child.alive and not parent.children
+    assert (h.books.dram.num_used, h.books.nvme.num_used) == (2, 2)  # held by the quarantine
+    h.evict_hbm(4)  # the parent can go now
+    assert not parent.alive
+    h.check()
+    assert h.books.complete(op.op_id, True) is None  # the late ack frees what it held, nothing else
+    h.check()
+    assert (h.books.dram.num_used, h.books.nvme.num_used) == (0, 0)

@@ -12,14 +12,29 @@ message: a malformed one is answered with ``Rejected`` and the loop goes on. It 
 its parent (checked every ``PARENT_POLL_S``); SIGINT is ignored (the parent decides).
 
 Fault switch (tests only; off unless the env var is set), ``HIRADIX_FAULTS`` holds
-comma-separated ``key=value`` items, parsed once at start by :meth:`Faults.from_env`:
+comma-separated ``key=value`` items, parsed once at start by :meth:`Faults.from_env` and
+injected by :class:`hiradix.io.faults.FaultInjector` so that the real code paths run. Job
+ordinals are 1-based, in arrival order, and restart in every incarnation (a respawned worker
+reads the same switch):
 
-    crash_on_job=N    os._exit(FAULT_EXIT_CODE) when the N-th job (1-based, arrival order)
-                      arrives, before it runs
+    crash_on_job=N    os._exit(FAULT_EXIT_CODE) when the N-th job arrives, before it runs
     crash_mid_job=N   the N-th job moves the first half of its pages, then os._exit
+    crash_mid_load=N  the same for the N-th load job (NVMe -> DRAM; counting loads only)
+    crash_limit=K     the crashes above happen at most K times in all, counted across
+                      respawns in ``<socket_dir>/fault-crashes``; 0 (default) = every time
     delay_s=X         every job waits X seconds before touching the disk (a slow disk);
                       Shutdown cuts the wait short and the job fails
-    load_delay_s=X    the same, for loads (NVMe -> DRAM) only: a read that never lands in time
+    load_delay_s=X    the same, for loads only: a read that lands late or never
+    enospc_on_store=N the N-th store job and every later one: each write raises
+                      OSError(ENOSPC) in the store's file layer (nothing written; the
+                      store's own error path turns it into failed pages)
+    short_read=N      the N-th load job and every later one: each read call returns at most
+                      half a slot (aligned down to 4096 bytes), a short count, so every slot
+                      it covers is short
+    corrupt_read=N    the N-th load job and every later one: one payload byte of every slot
+                      is flipped after the read, before the trailer's checksum is verified
+    truncate_on_job=N when the N-th job arrives, nvme.kv is truncated (on disk) to
+                      ``truncate_keep`` of its size (default 0.5, aligned down to 4096 bytes)
 
 An unknown key or a bad value makes the worker answer ``StartFailed`` and exit 1.
 ``HIRADIX_LOG_LEVEL`` (e.g. ``DEBUG``) sets the worker's logging level; WARNING by default.
@@ -35,11 +50,12 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 
+from hiradix.io.faults import CRASH_LOG_NAME, FaultInjector, Faults, JobPlan
+from hiradix.io.faults import FAULT_EXIT_CODE, FAULTS_ENV  # noqa: F401 - re-exported (tests, callers)
 from hiradix.io.protocol import (
     Job,
     JobDone,
@@ -66,66 +82,9 @@ from hiradix.tiers.nvme import NVME_FILE_NAME, NvmeStore
 
 logger = logging.getLogger(__name__)
 
-FAULTS_ENV = "HIRADIX_FAULTS"
 LOG_LEVEL_ENV = "HIRADIX_LOG_LEVEL"  # the worker's logging level name, WARNING by default
-FAULT_EXIT_CODE = 86  # exit status of a crash injected by the fault switch
 PARENT_POLL_S = 0.2  # how often the loop checks that the parent is alive, in seconds
 ACK_LINGER_S = 2.0  # how long queued replies may take to leave at exit, in seconds
-
-
-@dataclass(frozen=True)
-class Faults:
-    """Injected faults, for tests (see the module docstring). All off by default.
-
-    Attributes:
-        crash_on_job: Exit when this job (1-based arrival ordinal) arrives; 0 = never.
-        crash_mid_job: Exit halfway through this job; 0 = never.
-        delay_s: Wait before each job, in seconds.
-        load_delay_s: Wait before each load job (NVMe -> DRAM), in seconds.
-    """
-
-    crash_on_job: int = 0
-    crash_mid_job: int = 0
-    delay_s: float = 0.0
-    load_delay_s: float = 0.0
-
-    @classmethod
-    def parse(cls, text: str) -> Faults:
-        """Parse ``"key=value,key=value"``; an empty string means no faults.
-
-        Raises:
-            ValueError: An unknown key, a missing ``=`` or a value of the wrong type/sign.
-        """
-        kinds = {"crash_on_job": int, "crash_mid_job": int, "delay_s": float, "load_delay_s": float}
-        values: dict[str, float] = {}
-        for item in filter(None, (part.strip() for part in text.split(","))):
-            key, sep, raw = item.partition("=")
-            if not sep or key not in kinds:
-                raise ValueError(f"{FAULTS_ENV}: bad item {item!r}; keys: {sorted(kinds)}")
-            try:
-                value = kinds[key](raw)
-            except ValueError:
-                raise ValueError(f"{FAULTS_ENV}: {key} needs a {kinds[key].__name__}, got {raw!r}") from None
-            if value < 0:
-                raise ValueError(f"{FAULTS_ENV}: {key} must be >= 0, got {raw!r}")
-            values[key] = value
-        return cls(**values)  # type: ignore[arg-type]
-
-    @classmethod
-    def from_env(cls) -> Faults:
-        """Faults from ``HIRADIX_FAULTS`` (the only place the variable is read).
-
-        Raises:
-            ValueError: As :meth:`parse`.
-        """
-        return cls.parse(os.environ.get(FAULTS_ENV, ""))
-
-
-def _crash(reason: str) -> None:
-    """Die like a crashed process: no cleanup, no replies."""
-    logger.warning("fault switch: %s; exiting with %d", reason, FAULT_EXIT_CODE)
-    logging.shutdown()
-    os._exit(FAULT_EXIT_CODE)
 
 
 class Worker:
@@ -140,7 +99,7 @@ class Worker:
             OSError: A tier's file cannot be opened.
         """
         ensure_private_dir(Path(spec.socket_dir))
-        self.faults = Faults.from_env()
+        self.faults = FaultInjector(Faults.from_env(), Path(spec.socket_dir) / CRASH_LOG_NAME)
         layout = KVLayout.from_json(spec.layout)
         if not layout.page_major:
             raise ValueError("the I/O worker moves whole pages; it needs a page-major layout")
@@ -153,8 +112,9 @@ class Worker:
         try:
             self.store = NvmeStore.open(
                 Path(spec.nvme_dir) / NVME_FILE_NAME, spec.page_bytes, spec.num_nvme_slots,
-                backend=spec.io_backend, threads=spec.threads,
+                backend=spec.io_backend, threads=spec.threads, warn_fallback=False,
             )
+            self.faults.attach(self.store)
         except BaseException:
             self.pool.close()
             raise
@@ -163,7 +123,6 @@ class Worker:
         self.requests = PullQueue(self.ctx, jobs_addr, decode_request)
         self.executor = ThreadPoolExecutor(spec.threads, thread_name_prefix="hiradix-io")
         self.stop = threading.Event()  # set by Shutdown: cuts fault delays short
-        self.jobs_received = 0  # ordinal of the last job taken in (main thread only)
         self.lock = threading.Lock()  # guards in_flight
         self.in_flight: set[int] = set()  # job ids taken in and not yet answered
 
@@ -211,28 +170,27 @@ class Worker:
             logger.warning("rejected job %d: %s", msg.job_id, reason)
             self.replies.put(Rejected(job_id=msg.job_id, reason=reason))
             return
-        self.jobs_received += 1
-        if self.faults.crash_on_job == self.jobs_received:
-            _crash(f"job {msg.job_id} is job #{self.jobs_received}")
-        future = self.executor.submit(self._run, msg, self.jobs_received)
+        plan = self.faults.on_arrival(msg)  # may crash or truncate the file (fault switch)
+        future = self.executor.submit(self._run, msg, plan)
         future.add_done_callback(lambda f, job=msg: self._reply(job, f))
 
     # ---- jobs (pool threads) -----------------------------------------------------------------
 
-    def _run(self, job: Job, ordinal: int) -> JobDone:
-        """Move one job's pages; failures become a failed ``JobDone``, never an exception."""
+    def _run(self, job: Job, plan: JobPlan) -> JobDone:
+        """Move one job's pages under its fault ``plan``; failures become a failed ``JobDone``,
+        never an exception."""
         start_s = time.monotonic()
         n = job_pages(job)
-        delay_s = self.faults.delay_s + (0.0 if isinstance(job, StorePages) else self.faults.load_delay_s)
-        if delay_s and self.stop.wait(delay_s):
+        if plan.delay_s and self.stop.wait(plan.delay_s):
             return JobDone(job_id=job.job_id, ok=[False] * n, error="cancelled: shutdown")
         try:
             views = [self.pool.page_view(p) for p in job.dram_pages]
             move = self.store.write_slots if isinstance(job, StorePages) else self.store.read_slots
-            if self.faults.crash_mid_job == ordinal:
-                move(list(job.nvme_slots[: n // 2]), views[: n // 2])
-                _crash(f"halfway through job {job.job_id} (#{ordinal})")
-            ok = [bool(x) for x in move(list(job.nvme_slots), views)]
+            with self.faults.armed(job, plan):
+                if plan.crash_mid:
+                    move(list(job.nvme_slots[: n // 2]), views[: n // 2])
+                    self.faults.crash(f"halfway through job {job.job_id} (#{plan.ordinal})")
+                ok = [bool(x) for x in move(list(job.nvme_slots), views)]
             if len(ok) != n:
                 raise RuntimeError(f"store returned {len(ok)} flags for {n} pages")
             return JobDone(job_id=job.job_id, ok=ok, duration_s=time.monotonic() - start_s)

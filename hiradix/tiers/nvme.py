@@ -51,6 +51,7 @@ FORMAT_VERSION = 1
 # magic (8 s), format version (u32), reserved (u32, 0), payload bytes (u64), slot id (u64), xxh3_64 (u64)
 TRAILER = struct.Struct("<8sIIQQQ")
 BACKENDS = ("auto", "posix", "kvikio")
+COALESCE_BYTES = 4 << 20  # longest single read/write of consecutive slots
 
 
 def align_up(num_bytes: int, alignment: int = SLOT_ALIGN) -> int:
@@ -118,7 +119,7 @@ class _PosixFile:
 
     name = "posix"
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, warn_fallback: bool = True):
         self.direct_io = True  # False after falling back to buffered I/O
         self._fd = -1  # the open file; -1 once closed
         try:
@@ -129,7 +130,8 @@ class _PosixFile:
                 self.close()
                 raise
             self.close()
-            logger.warning("%s: file system refuses O_DIRECT (%s); using buffered I/O", path, exc)
+            log = logger.warning if warn_fallback else logger.info
+            log("%s: file system refuses O_DIRECT (%s); using buffered I/O", path, exc)
             self.direct_io = False
             self._fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
 
@@ -207,18 +209,18 @@ def kvikio_unusable_reason() -> str | None:
     return None
 
 
-def _open_backend(path: Path, backend: str) -> _PosixFile | _KvikioFile:
+def _open_backend(path: Path, backend: str, warn_fallback: bool = True) -> _PosixFile | _KvikioFile:
     if backend not in BACKENDS:
         raise ValueError(f"unknown NVMe backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "posix":
-        return _PosixFile(path)
+        return _PosixFile(path, warn_fallback)
     reason = kvikio_unusable_reason()
     if reason is None:
         return _KvikioFile(path)
     if backend == "kvikio":
         raise RuntimeError(f"NVMe backend 'kvikio' is not usable here: {reason}")
     logger.info("NVMe backend: posix (kvikio not usable: %s)", reason)
-    return _PosixFile(path)
+    return _PosixFile(path, warn_fallback)
 
 
 class NvmeStore:
@@ -226,8 +228,10 @@ class NvmeStore:
 
     Build with :meth:`create` (pre-allocates) or :meth:`open` (attaches, e.g. in the I/O worker).
     ``write_slots``/``read_slots`` are thread-safe (callers must not write a slot that another
-    call is reading or writing); the slots of one call run in parallel on ``threads`` threads,
-    each slot through one of ``threads`` page-aligned bounce buffers.
+    call is reading or writing); the slots of one call run in parallel on ``threads`` threads.
+    Consecutive slot ids are coalesced into runs of up to ``run_slots`` (``COALESCE_BYTES`` of
+    slots, split so every thread gets one), each moved by one call through one of ``threads``
+    page-aligned bounce buffers; each slot of a run is still verified on its own.
 
     Attributes:
         path: the slot file.
@@ -256,7 +260,11 @@ class NvmeStore:
         # then ~1 block request instead of ~4 (bench/io.py: store reads 0.46 -> 0.88 of raw).
         self._bounce: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-        self._bounce_all = [mmap.mmap(-1, self.slot_bytes, flags=flags) for _ in range(threads)]
+        # A run of consecutive slots moves in one call of up to COALESCE_BYTES (fewer syscalls,
+        # thread hand-offs and block requests per byte for small pages).
+        self.run_slots = max(1, COALESCE_BYTES // self.slot_bytes)
+        self.threads = threads
+        self._bounce_all = [mmap.mmap(-1, self.run_slots * self.slot_bytes, flags=flags) for _ in range(threads)]
         for buf in self._bounce_all:
             self._bounce.put(buf)
 
@@ -265,11 +273,21 @@ class NvmeStore:
         """Backend name (same as ``name``)."""
         return self.name
 
+    def wrap_file(self, wrap: Callable[[_PosixFile | _KvikioFile], _PosixFile | _KvikioFile]) -> None:
+        """Test seam (fault injection, :mod:`hiradix.io.faults`): replace the block-I/O object
+        with ``wrap(current)``, which offers the same ``pread``/``pwrite``/``close``. Call it
+        before any I/O."""
+        self._file = wrap(self._file)
+
     @classmethod
     def create(
-        cls, directory: Path, page_bytes: int, num_slots: int, backend: str = "auto", threads: int = 4
+        cls, directory: Path, page_bytes: int, num_slots: int, backend: str = "auto", threads: int = 4,
+        keep: bool = False,
     ) -> NvmeStore:
         """Create (or replace) ``directory/nvme.kv`` with mode 0600 and pre-allocate all slots.
+
+        With ``keep``, an existing file keeps its slots (restart persistence: the NVMe index
+        vouched for them); it is only grown or cut to ``num_slots``.
 
         Args:
             directory: private directory (created 0700 if missing) on the NVMe file system.
@@ -291,9 +309,12 @@ class NvmeStore:
         directory, _ = ensure_private_dir(Path(directory))
         path = directory / NVME_FILE_NAME
         size_bytes = num_slots * slot_bytes_for(page_bytes)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        truncate = 0 if keep else os.O_TRUNC
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | truncate | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.fchmod(fd, 0o600)
+            if os.fstat(fd).st_size > size_bytes:
+                os.ftruncate(fd, size_bytes)
             os.posix_fallocate(fd, 0, size_bytes)
         finally:
             os.close(fd)
@@ -304,12 +325,14 @@ class NvmeStore:
 
     @classmethod
     def open(
-        cls, path: Path, page_bytes: int, num_slots: int, backend: str = "auto", threads: int = 4
+        cls, path: Path, page_bytes: int, num_slots: int, backend: str = "auto", threads: int = 4,
+        warn_fallback: bool = True,
     ) -> NvmeStore:
         """Attach an existing slot file (e.g. from the I/O worker process).
 
         A file shorter than ``num_slots * slot_bytes`` is accepted with a warning: reads of the
-        missing slots are misses.
+        missing slots are misses. ``warn_fallback=False`` logs a buffered-I/O fallback at INFO
+        (the I/O worker: the scheduler already warned when it created the file).
 
         Raises:
             FileNotFoundError: no such file.
@@ -323,7 +346,7 @@ class NvmeStore:
         expected = num_slots * slot_bytes_for(page_bytes)
         if st.st_size < expected:
             logger.warning("%s: %d bytes, expected %d; missing slots will read as misses", path, st.st_size, expected)
-        return cls(path, page_bytes, num_slots, _open_backend(path, backend), threads)
+        return cls(path, page_bytes, num_slots, _open_backend(path, backend, warn_fallback), threads)
 
     def _check_args(self, slot_ids: Sequence[int], pages: Sequence[memoryview], writing: bool) -> list[int]:
         if len(slot_ids) != len(pages):
@@ -341,8 +364,27 @@ class NvmeStore:
             raise ValueError(f"slot ids repeat in one write: {ids}")
         return ids
 
-    def _run(self, task: Callable[[int, memoryview], str | None], ids: list[int], pages: Sequence[memoryview], verb: str) -> list[bool]:
-        reasons = list(self._executor.map(task, ids, pages))
+    def _runs(self, ids: list[int]) -> list[list[int]]:
+        """Indices into ``ids`` grouped into runs of consecutive slot ids, at most
+        ``run_slots`` long and short enough that every thread gets a run."""
+        longest = max(1, min(self.run_slots, -(-len(ids) // self.threads)))
+        runs: list[list[int]] = []
+        for i, slot_id in enumerate(ids):
+            run = runs[-1] if runs else None
+            if run and len(run) < longest and ids[run[-1]] + 1 == slot_id:
+                run.append(i)
+            else:
+                runs.append([i])
+        return runs
+
+    def _run(self, task: Callable[[list[int], list[memoryview]], list[str | None]], ids: list[int],
+             pages: Sequence[memoryview], verb: str) -> list[bool]:
+        runs = self._runs(ids)
+        per_run = self._executor.map(task, [[ids[i] for i in run] for run in runs], [[pages[i] for i in run] for run in runs])
+        reasons: list[str | None] = [None] * len(ids)
+        for run, run_reasons in zip(runs, per_run):
+            for i, reason in zip(run, run_reasons):
+                reasons[i] = reason
         failed = [f"slot {slot_id}: {reason}" for slot_id, reason in zip(ids, reasons) if reason]
         if failed:
             logger.warning("NVMe %s: %d of %d slots failed in %s: %s", verb, len(failed), len(ids), self.path, "; ".join(failed))
@@ -362,7 +404,7 @@ class NvmeStore:
             ValueError: a slot out of range, repeated, or a page of the wrong size (nothing written).
         """
         ids = self._check_args(slot_ids, pages, writing=True)
-        return self._run(self._write_one, ids, pages, "write")
+        return self._run(self._write_run, ids, pages, "write")
 
     def read_slots(self, slot_ids: list[int], pages: list[memoryview]) -> list[bool]:
         """Read slot ``slot_ids[i]``, verify its trailer, and only then copy it into ``pages[i]``.
@@ -380,37 +422,49 @@ class NvmeStore:
             ValueError: a slot out of range, or a page of the wrong size or read-only.
         """
         ids = self._check_args(slot_ids, pages, writing=False)
-        return self._run(self._read_one, ids, pages, "read")
+        return self._run(self._read_run, ids, pages, "read")
 
-    def _write_one(self, slot_id: int, page: memoryview) -> str | None:
+    def _write_run(self, slot_ids: list[int], pages: list[memoryview]) -> list[str | None]:
+        """Write consecutive slots with their trailers in one call."""
         buf = self._bounce.get()
+        size = len(slot_ids) * self.slot_bytes
         try:
-            image = np.frombuffer(buf, dtype=np.uint8)
-            payload = image[: self.page_bytes]
-            payload[:] = np.frombuffer(page, dtype=np.uint8)
-            image[self.page_bytes : self.page_bytes + TRAILER.size] = np.frombuffer(
-                pack_trailer(payload, slot_id), dtype=np.uint8
-            )
-            written = self._file.pwrite(memoryview(buf), slot_id * self.slot_bytes)
-            return None if written == self.slot_bytes else f"short write ({written} of {self.slot_bytes} bytes)"
+            image = np.frombuffer(buf, dtype=np.uint8, count=size)
+            for k, (slot_id, page) in enumerate(zip(slot_ids, pages)):
+                base = k * self.slot_bytes
+                payload = image[base : base + self.page_bytes]
+                payload[:] = np.frombuffer(page, dtype=np.uint8)
+                image[base + self.page_bytes : base + self.page_bytes + TRAILER.size] = np.frombuffer(
+                    pack_trailer(payload, slot_id), dtype=np.uint8
+                )
+            written = self._file.pwrite(memoryview(buf)[:size], slot_ids[0] * self.slot_bytes)
+            return [None if written >= (k + 1) * self.slot_bytes else f"short write ({written} of {size} bytes)"
+                    for k in range(len(slot_ids))]
         except OSError as exc:
-            return f"write error: {exc}"
+            return [f"write error: {exc}"] * len(slot_ids)
         finally:
             self._bounce.put(buf)
 
-    def _read_one(self, slot_id: int, page: memoryview) -> str | None:
+    def _read_run(self, slot_ids: list[int], pages: list[memoryview]) -> list[str | None]:
+        """Read consecutive slots in one call; verify each, copy out only the good ones."""
         buf = self._bounce.get()
+        size = len(slot_ids) * self.slot_bytes
         try:
-            got = self._file.pread(memoryview(buf), slot_id * self.slot_bytes)
-            if got != self.slot_bytes:
-                return f"short read ({got} of {self.slot_bytes} bytes; file truncated?)"
-            image = np.frombuffer(buf, dtype=np.uint8)
-            reason = verify_slot(image, self.page_bytes, slot_id)
-            if reason is None:
-                np.frombuffer(page, dtype=np.uint8)[:] = image[: self.page_bytes]
-            return reason
+            got = self._file.pread(memoryview(buf)[:size], slot_ids[0] * self.slot_bytes)
+            image = np.frombuffer(buf, dtype=np.uint8, count=size)
+            reasons: list[str | None] = []
+            for k, (slot_id, page) in enumerate(zip(slot_ids, pages)):
+                if got < (k + 1) * self.slot_bytes:
+                    reasons.append(f"short read ({got} of {size} bytes; file truncated?)")
+                    continue
+                slot = image[k * self.slot_bytes : (k + 1) * self.slot_bytes]
+                reason = verify_slot(slot, self.page_bytes, slot_id)
+                if reason is None:
+                    np.frombuffer(page, dtype=np.uint8)[:] = slot[: self.page_bytes]
+                reasons.append(reason)
+            return reasons
         except OSError as exc:
-            return f"read error: {exc}"
+            return [f"read error: {exc}"] * len(slot_ids)
         finally:
             self._bounce.put(buf)
 

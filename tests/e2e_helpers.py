@@ -1,0 +1,130 @@
+"""Helpers of the end-to-end tests: a chat client, the multi-turn workload, metrics, flags.
+
+The workload: ``sessions`` chats of ``turns`` user turns each (``words`` filler words per
+turn), turn t of every session before turn t+1, at temperature 0; each result keeps the
+answer text, token counts and the per-tier cached tokens (``cached_tokens_details``).
+The ``stock_outputs`` fixture (tests/conftest.py) runs it on stock SGLang once per session.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Optional
+
+from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
+
+TOPICS = ["rivers", "compilers", "gardens", "trains", "music", "ice", "clouds", "maps", "salt", "bees",
+          "glass", "paper", "wolves", "tea", "bridges", "moons", "tides", "copper", "wheat", "owls"]  # fmt: skip
+
+
+def chat(base_url: str, messages: list[dict], max_tokens: int = 12) -> dict:
+    body = {
+        "model": "default",
+        "messages": messages,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "return_cached_tokens_details": True,
+    }
+    req = urllib.request.Request(
+        f"{base_url}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    sent_s = time.monotonic()
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        out = json.loads(resp.read())
+    latency_s = time.monotonic() - sent_s
+    usage = out["usage"]
+    details = (out.get("sglext") or {}).get("cached_tokens_details") or {}
+    return {
+        "text": out["choices"][0]["message"]["content"],
+        "completion_tokens": usage["completion_tokens"],
+        "prompt_tokens": usage["prompt_tokens"],
+        "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+        "details": details,
+        "latency_s": latency_s,  # request sent -> whole answer received (>= TTFT), in seconds
+    }
+
+
+def user_turn(session: int, turn: int, words: int) -> str:
+    topic = TOPICS[session % len(TOPICS)]
+    filler = " ".join(f"{topic}{(session * 7 + turn * 3 + i) % 23}" for i in range(words))
+    return f"Session {session} turn {turn}: tell me about {topic}. {filler}"
+
+
+def run_sessions(
+    base_url: str, sessions: int, turns: int, words: int, parallel: int = 1,
+    before_turn: Optional[Callable[[int], None]] = None, first_session: int = 0,
+) -> list[list[dict]]:
+    """Turn t of every session, then turn t+1 (interleaved); history keeps the model's answers.
+
+    Sessions ``first_session .. first_session + sessions - 1`` (the session number picks the
+    user turns' words; result i is session ``first_session + i``). ``before_turn(t)``
+    (0-based) runs before the requests of turn t are sent.
+    """
+    histories = [[{"role": "system", "content": "You are a terse assistant."}] for _ in range(sessions)]
+    results: list[list[dict]] = [[] for _ in range(sessions)]
+
+    def one(s: int, t: int) -> None:
+        histories[s].append({"role": "user", "content": user_turn(first_session + s, t, words)})
+        r = chat(base_url, histories[s])
+        histories[s].append({"role": "assistant", "content": r["text"]})
+        results[s].append(r)
+
+    for t in range(turns):
+        if before_turn is not None:
+            before_turn(t)
+        with ThreadPoolExecutor(max_workers=parallel) as pool:
+            list(pool.map(lambda s: one(s, t), range(sessions)))
+    return results
+
+
+def start(model: Path, log: Path, max_total_tokens: int, extra: list[str]) -> ServerProcess:
+    return ServerProcess(model, extra_args=cpu_args(max_total_tokens) + extra, env=cpu_env(), log_path=log)
+
+
+SESSIONS, TURNS, WORDS = 20, 4, 25
+
+
+def metric(base_url: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus sample from /metrics (all label sets matching ``labels``)."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def tier_hits(results: list[list[dict]]) -> dict[str, int]:
+    """Cached tokens of turns >= 2 by tier (cached_tokens_details)."""
+    out = {"device": 0, "host": 0, "storage": 0}
+    for session in results:
+        for r in session[1:]:
+            for tier in out:
+                out[tier] += r["details"].get(tier, 0) or 0
+    return out
+
+
+def assert_same_outputs(got: list[list[dict]], expected: list[list[dict]]) -> None:
+    for s, (g, e) in enumerate(zip(got, expected)):
+        assert [r["text"] for r in g] == [r["text"] for r in e], f"session {s} differs"
+        assert [r["completion_tokens"] for r in g] == [r["completion_tokens"] for r in e]
+
+
+def tiered_flags(nvme_dir: Path, policy: str, timeout_s: float = 2.0) -> list[str]:
+    # HBM 2048 tokens and DRAM 0.006 GB (~183 pages ~ 2.9k tokens of the tiny model) against a
+    # working set of ~20 sessions x ~650 tokens: histories must fall to NVMe.
+    nvme_dir.mkdir(exist_ok=True)
+    return [
+        "--max-running-requests", "2",
+        "--enable-hiradix",
+        "--hiradix-dram-gb", "0.006",
+        "--hiradix-nvme-path", str(nvme_dir),
+        "--hiradix-nvme-gb", "0.2",
+        "--hiradix-policy", policy,
+        "--hiradix-load-timeout-s", str(timeout_s),
+    ]  # fmt: skip
