@@ -7,8 +7,11 @@ the server. Then print, per turn index, mean TTFT and mean cached tokens for eac
 and the TTFT ratio to the first (baseline) system, plus the fraction of requests whose
 greedy outputs are token-identical to the baseline's.
 
-A system is a name plus extra server flags. Built-in names (`BUILTIN_SYSTEMS`): `stock`,
-`hiradix` (`--enable-hiradix`), `hicache` (stock SGLang HiCache). A built-in name followed
+A system is a name plus extra server flags. Built-in names (`BUILTIN_SYSTEMS`): `stock`
+(RadixAttention), `hicache` (stock SGLang HiCache with its `file` storage backend), `lru` and
+`lookahead` (hiradix with that policy), `hiradix` (hiradix defaults). The default run is
+`stock,hicache,lru,lookahead`; HiCache and hiradix get the same DRAM size (`--dram-ratio` x the
+device pool) and hiradix an NVMe tier (`--nvme-gb`), both under the run directory. A built-in name followed
 by digits is a duplicate (`stock2` = `stock`), handy for an A/A run. Define more with
 `--system NAME="FLAGS"`, e.g. `--system lru="--enable-hiradix --hiradix-policy lru"`.
 Unknown options starting with `--hiradix-` are passed to every system that has
@@ -18,7 +21,7 @@ Outputs under `runs/<timestamp>/` (or `--out-dir`): `config.json`, `records.json
 `records.csv` (all requests of all systems), `summary.json`, `ttft_by_turn.png`, and one
 `<system>.server.log` per system.
 
-    python -m bench.ab                                 # stock vs hiradix, models/small, 8 x 4
+    python -m bench.ab                                 # stock, hicache, lru, lookahead; models/small, 8 x 4
     python -m bench.ab --quick --systems stock,stock2  # tiny model, 3 sessions x 3 turns
 """
 
@@ -36,7 +39,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 if __package__ in (None, ""):  # run as a file: python bench/ab.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -57,10 +60,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 BUILTIN_SYSTEMS: dict[str, tuple[str, ...]] = {
     "stock": (),
-    "hiradix": ("--enable-hiradix",),
+    # Stock SGLang HiCache: host DRAM pool plus its `file` storage backend (one file per page).
     "hicache": ("--enable-hierarchical-cache", "--hicache-io-backend", "direct",
-                "--hicache-mem-layout", "layer_first"),
+                "--hicache-mem-layout", "layer_first", "--hicache-storage-backend", "file"),
+    "lru": ("--enable-hiradix", "--hiradix-policy", "lru"),
+    "lookahead": ("--enable-hiradix", "--hiradix-policy", "lookahead"),
+    "hiradix": ("--enable-hiradix",),  # the defaults (policy lookahead)
 }  # fmt: skip
+DEFAULT_SYSTEMS = "stock,hicache,lru,lookahead"
 
 # The device pool is deliberately smaller than the histories of the sessions in flight
 # (about 4 x 1,000 tokens at the last turn of the full run), so stock RadixAttention has to
@@ -119,6 +126,48 @@ def resolve_systems(names: str, custom: Sequence[str], hiradix_args: Sequence[st
     if hiradix_args and not any("--enable-hiradix" in s.server_args for s in systems):
         raise ValueError(f"{' '.join(hiradix_args)} given but no system uses --enable-hiradix")
     return systems
+
+
+def kv_bytes_per_token(model_path: Path, dtype_bytes: int = 4) -> int:
+    """Device KV bytes per token of a model dir (K and V, all layers; float32 as `cpu_args`).
+
+    Raises:
+        OSError, KeyError: `config.json` is missing or lacks the attention sizes.
+    """
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes
+
+
+def with_tier_sizes(systems: Sequence[System], dram_ratio: float, nvme_gb: float, device_bytes: int,
+                    run_dir: Path) -> list[System]:
+    """Give every tiered system the same DRAM size and its own lower-tier directory.
+
+    DRAM is `dram_ratio` x the device KV pool (`device_bytes`) for HiCache (`--hicache-ratio`)
+    and hiradix (`--hiradix-dram-gb`); hiradix gets `nvme_gb` of NVMe (0: none) under
+    `run_dir/nvme-<name>`, HiCache's `file` backend writes under `run_dir/hicache-<name>`.
+    Flags a system already sets are kept.
+    """
+    out = []
+    for system in systems:
+        args = list(system.server_args)
+        if "--enable-hiradix" in args:
+            if "--hiradix-dram-gb" not in args:
+                args += ["--hiradix-dram-gb", f"{dram_ratio * device_bytes / 1e9:.6f}"]
+            if nvme_gb > 0 and "--hiradix-nvme-gb" not in args:
+                nvme_dir = run_dir / f"nvme-{system.name}"
+                nvme_dir.mkdir(mode=0o700, exist_ok=True)
+                args += ["--hiradix-nvme-path", str(nvme_dir), "--hiradix-nvme-gb", str(nvme_gb)]
+        if "--enable-hierarchical-cache" in args:
+            if "--hicache-ratio" not in args and "--hicache-size" not in args:
+                args += ["--hicache-ratio", str(dram_ratio)]
+            if "file" in args and "--hicache-storage-backend-extra-config" not in args:
+                files = run_dir / f"hicache-{system.name}"
+                files.mkdir(mode=0o700, exist_ok=True)
+                args += ["--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": str(files)})]
+        out.append(System(system.name, tuple(args)))
+    return out
 
 
 def _fetch_metrics(base_url: str) -> str:
@@ -192,21 +241,27 @@ def identical_fraction(baseline: Sequence[RequestRecord], other: Sequence[Reques
 def per_turn_summary(runs: Sequence[SystemRun]) -> list[dict]:
     """Per turn index and system: mean TTFT (s), mean prompt and cached tokens, tier split."""
     turns = sorted({r.turn_index for run in runs for r in run.records})
-    rows = []
-    for turn in turns:
-        row: dict = {"turn_index": turn}
-        for run in runs:
-            ok = [r for r in run.records if r.turn_index == turn and r.ok]
-            row[run.system.name] = {
-                "n": len(ok),
-                "mean_ttft_s": _mean(r.ttft_s for r in ok),
-                "mean_prompt_tokens": _mean(r.prompt_tokens for r in ok),
-                "mean_cached_tokens": _mean(r.cached_tokens for r in ok),
-                "mean_cached_host_tokens": _mean(r.cached_host_tokens for r in ok),
-                "mean_cached_storage_tokens": _mean(r.cached_storage_tokens for r in ok),
-            }
-        rows.append(row)
-    return rows
+    return [_summary_row(turn, runs, lambda r, t=turn: r.turn_index == t) for turn in turns]
+
+
+def group_summary(runs: Sequence[SystemRun]) -> list[dict]:
+    """The same figures over turns >= 2 (the issue's TTFT target) and over all requests."""
+    return [_summary_row(">=2", runs, lambda r: r.turn_index >= 2), _summary_row("all", runs, lambda r: True)]
+
+
+def _summary_row(label: Any, runs: Sequence[SystemRun], keep: Callable[[RequestRecord], bool]) -> dict:
+    row: dict = {"turn_index": label}
+    for run in runs:
+        ok = [r for r in run.records if r.ok and keep(r)]
+        row[run.system.name] = {
+            "n": len(ok),
+            "mean_ttft_s": _mean(r.ttft_s for r in ok),
+            "mean_prompt_tokens": _mean(r.prompt_tokens for r in ok),
+            "mean_cached_tokens": _mean(r.cached_tokens for r in ok),
+            "mean_cached_host_tokens": _mean(r.cached_host_tokens for r in ok),
+            "mean_cached_storage_tokens": _mean(r.cached_storage_tokens for r in ok),
+        }
+    return row
 
 
 def _fmt(value: float, scale: float = 1.0, width: int = 8, digits: int = 0) -> str:
@@ -239,13 +294,7 @@ def format_table(runs: Sequence[SystemRun]) -> str:
     sub = f"{'turn':>4} {'n':>3} {'prompt':>6} |" + "".join(f" {'ttft_ms':>{group_w - 8}} {'cached':>7} |" for _ in names)
     sub += "".join(f" {'ttft ratio':>{ratio_w}}" for _ in names[1:])
     lines = [top, sub, "-" * len(sub)]
-    all_row: dict = {"turn_index": "all"}
-    for run in runs:
-        ok = [r for r in run.records if r.ok]
-        all_row[run.system.name] = {"n": len(ok), "mean_ttft_s": _mean(r.ttft_s for r in ok),
-                                    "mean_prompt_tokens": _mean(r.prompt_tokens for r in ok),
-                                    "mean_cached_tokens": _mean(r.cached_tokens for r in ok)}
-    for row in per_turn_summary(runs) + [all_row]:
+    for row in per_turn_summary(runs) + group_summary(runs):
         line = f"{row['turn_index']!s:>4} {row[base]['n']:>3} {_fmt(row[base]['mean_prompt_tokens'], 1, 6)} |"
         for name in names:
             cell = row[name]
@@ -259,11 +308,21 @@ def format_table(runs: Sequence[SystemRun]) -> str:
         lines.append(f"{run.system.name}: {len(run.records)} requests, {errors} errors, "
                      f"server startup {run.startup_s:.1f} s, workload {run.workload_s:.1f} s, "
                      f"cached tokens by tier {_tier_totals(run.records)}")
+    lines.append("prefill left after the cache, turns >= 2 (uncached / prompt tokens; a lower bound on "
+                 "the TTFT ratio when prefill is linear): "
+                 + ", ".join(f"{run.system.name} {_uncached_share(run.records):.2f}" for run in runs))
     for run in runs[1:]:
         same, compared = identical_fraction(runs[0].records, run.records)
         frac = same / compared if compared else float("nan")
         lines.append(f"token-identical outputs {run.system.name} vs {base}: {same}/{compared} ({frac:.0%})")
     return "\n".join(lines)
+
+
+def _uncached_share(records: Sequence[RequestRecord]) -> float:
+    """Uncached prompt tokens over prompt tokens, summed over the ok requests of turns >= 2."""
+    later = [r for r in records if r.ok and r.turn_index >= 2]
+    prompt = sum(r.prompt_tokens or 0 for r in later)
+    return sum((r.prompt_tokens or 0) - (r.cached_tokens or 0) for r in later) / prompt if prompt else float("nan")
 
 
 def plot_ttft_by_turn(runs: Sequence[SystemRun], png_path: Path) -> None:
@@ -297,6 +356,7 @@ def write_outputs(runs: Sequence[SystemRun], run_dir: Path, config: dict) -> Non
     write_records(all_records, run_dir / "records.json", run_dir / "records.csv")
     summary = {
         "per_turn": per_turn_summary(runs),
+        "groups": group_summary(runs),
         "systems": {run.system.name: {"server_args": list(run.system.server_args),
                                       "startup_s": run.startup_s, "workload_s": run.workload_s,
                                       "requests": len(run.records),
@@ -318,13 +378,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="A/B: stock SGLang vs SGLang + hiradix on multi-turn ShareGPT sessions.",
         epilog="Unknown --hiradix-* options are passed to the systems that use --enable-hiradix.")
     parser.add_argument("--model", default=None, help=f"model dir (default {FULL_DEFAULTS['model']})")
-    parser.add_argument("--systems", default="stock,hiradix",
+    parser.add_argument("--systems", default=DEFAULT_SYSTEMS,
                         help="comma-separated systems; the first is the baseline")
     parser.add_argument("--system", action="append", default=[], metavar='NAME="FLAGS"',
                         help="define a system (repeatable)")
     parser.add_argument("--server-args", default="", help="extra server flags for every system")
     parser.add_argument("--max-total-tokens", type=int, default=None,
                         help=f"device KV pool in tokens (default {FULL_DEFAULTS['max_total_tokens']})")
+    parser.add_argument("--dram-ratio", type=float, default=2.0,
+                        help="DRAM tier of HiCache and hiradix, as a multiple of the device KV pool "
+                             "(default 2, HiCache's own default)")
+    parser.add_argument("--nvme-gb", type=float, default=2.0,
+                        help="hiradix NVMe tier in GB under the run directory (0: none); "
+                             "HiCache's file backend is unbounded")
     parser.add_argument("--quick", action="store_true",
                         help="tiny model, 3 sessions x 3 turns, small pool (for tests)")
     parser.add_argument("--out-dir", default=None, help="default runs/<timestamp>")
@@ -372,6 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logger.info("%d sessions x %d turns from %s; systems: %s; results in %s", len(sessions),
                 args.turns, sessions[0].source, ", ".join(s.name for s in systems), run_dir)
     config = workload_config_from_args(args)
+    device_bytes = args.max_total_tokens * kv_bytes_per_token(model_path)
+    systems = with_tier_sizes(systems, args.dram_ratio, args.nvme_gb, device_bytes, run_dir)
     t0 = time.perf_counter()
     runs = [run_system(system, str(model_path), args.max_total_tokens, sessions, config, run_dir,
                        args.startup_timeout_s) for system in systems]

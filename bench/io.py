@@ -222,7 +222,7 @@ def prefault_bounce(store: NvmeStore) -> NvmeStore:
     ``MAP_POPULATE``); reaches into the store's private fields, so it is for measurement only.
     """
     old = store._bounce_all
-    store._bounce_all = [populated_buffer(store.slot_bytes) for _ in old]
+    store._bounce_all = [populated_buffer(len(buf)) for buf in old]
     store._bounce = queue.SimpleQueue()
     for buf in store._bounce_all:
         store._bounce.put(buf)

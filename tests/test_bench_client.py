@@ -286,10 +286,35 @@ def test_resolve_systems_duplicates_and_pass_through():
         ab.resolve_systems("stock,stock", [], [], [])
 
 
+def test_tier_sizes_are_equal_for_hicache_and_hiradix(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 1024, "num_attention_heads": 16,
+                                                   "num_key_value_heads": 4, "num_hidden_layers": 8}))
+    per_token = ab.kv_bytes_per_token(model)
+    assert per_token == 2 * 8 * 4 * 64 * 4
+    systems = ab.resolve_systems("stock,hicache,lru,lookahead", [], [], [])
+    sized = ab.with_tier_sizes(systems, 2.0, 1.5, 2048 * per_token, tmp_path)
+    args = {s.name: list(s.server_args) for s in sized}
+    assert args["stock"] == []
+    hicache = args["hicache"]
+    assert hicache[hicache.index("--hicache-ratio") + 1] == "2.0"
+    assert json.loads(hicache[hicache.index("--hicache-storage-backend-extra-config") + 1]) == {
+        "file_storage_path": str(tmp_path / "hicache-hicache")}
+    for name in ("lru", "lookahead"):
+        a = args[name]
+        assert float(a[a.index("--hiradix-dram-gb") + 1]) * 1e9 == pytest.approx(2.0 * 2048 * per_token, rel=1e-5)
+        assert a[a.index("--hiradix-nvme-path") + 1] == str(tmp_path / f"nvme-{name}")
+        assert a[a.index("--hiradix-policy") + 1] == name and a[a.index("--hiradix-nvme-gb") + 1] == "1.5"
+    kept = ab.with_tier_sizes(ab.resolve_systems("x", ["x=--enable-hiradix --hiradix-dram-gb 7"], [], []),
+                              2.0, 0, 1000, tmp_path)
+    assert kept[0].server_args == ("--enable-hiradix", "--hiradix-dram-gb", "7")
+
+
 def test_parse_args_quick_defaults_and_rejects_stray_options():
     args, passthrough = ab.parse_args(["--quick", "--hiradix-dram-gb", "3"])
     assert (args.model, args.sessions, args.turns, args.max_total_tokens) == ("models/tiny", 3, 3, 1024)
-    assert passthrough == ["--hiradix-dram-gb", "3"] and args.systems == "stock,hiradix"
+    assert passthrough == ["--hiradix-dram-gb", "3"] and args.systems == "stock,hicache,lru,lookahead"
     args, _ = ab.parse_args(["--quick", "--sessions", "5"])
     assert args.sessions == 5 and args.max_message_chars == 300
     args, _ = ab.parse_args([])
