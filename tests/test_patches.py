@@ -238,20 +238,22 @@ def test_apply_is_idempotent():
     import p01_sgl_kernel_standin as p01
     import p02_torchvision_op_schemas as p02
     import p03_hicache_host_pool_cpu as p03
+    import p04_torch_native_extend_new_queries as p04
 
     first = subprocess.run([PYTHON, str(PATCHES / "apply.py")], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
     sp = Path(subprocess.check_output(
         [PYTHON, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
     files = [sp / "sglang/srt/mem_cache/pool_host/common.py", sp / "sglang/srt/mem_cache/pool_host/mha.py",
-             sp / "torchvision/extension.py", *sorted((sp / "sgl_kernel").glob("*.py"))]
+             sp / "torchvision/extension.py", sp / "sglang/srt/layers/attention/torch_native_backend.py",
+             *sorted((sp / "sgl_kernel").glob("*.py"))]
     files = [f for f in files if f.exists()]
     before = {f: _sha(f) for f in files}
     second = subprocess.run([PYTHON, str(PATCHES / "apply.py")], capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     lines = second.stdout.strip().splitlines()
-    assert len(lines) == 3, second.stdout
-    for module, line in zip((p01, p02, p03), lines):
+    assert len(lines) == 4, second.stdout
+    for module, line in zip((p01, p02, p03, p04), lines):
         assert line.startswith(f"[patches] {module.NAME}: "), line
         assert ": already applied (" in line or ": skipped (" in line, line
     assert {f: _sha(f) for f in files} == before
@@ -605,3 +607,39 @@ class TestStockHiCache:
         details = meta.get("cached_tokens_details") or {}
         assert details.get("host", 0) > 0, meta
         assert meta["cached_tokens"] >= n - 1
+
+
+@pytest.mark.parametrize("prefix_lens,extend_lens", [([0, 48, 16], [20, 9, 33]), ([96], [1])])
+def test_extend_attention_with_cached_prefix_matches_full_recompute(prefix_lens, extend_lens):
+    """p04: a request with a cached prefix attends from its new queries only; the result equals
+    what the stock path (full causal attention over prefix + new, keep the new rows) gives."""
+    import torch
+
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 8, 2, 32
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    pool = sum(seq_lens) + 8
+    k_cache, v_cache = torch.randn(pool, kv_heads, dim), torch.randn(pool, kv_heads, dim)
+    req_to_token = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int64)
+    perm, at = torch.randperm(pool), 0
+    for r, n in enumerate(seq_lens):
+        req_to_token[r, :n] = perm[at : at + n]
+        at += n
+    query = torch.randn(sum(extend_lens), heads, dim)
+    backend = TorchNativeAttnBackend.__new__(TorchNativeAttnBackend)
+    out = torch.empty_like(query)
+    backend._run_sdpa_forward_extend(
+        query, out, k_cache, v_cache, req_to_token, torch.arange(len(seq_lens)), torch.tensor(seq_lens),
+        torch.tensor(prefix_lens), torch.tensor(extend_lens), scaling=dim ** -0.5, enable_gqa=True, causal=True)
+    start = 0
+    for r, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
+        idx = req_to_token[r, : p + e]
+        k = k_cache[idx].movedim(0, 1).repeat_interleave(heads // kv_heads, 0)
+        v = v_cache[idx].movedim(0, 1).repeat_interleave(heads // kv_heads, 0)
+        full_q = torch.zeros(heads, p + e, dim)
+        full_q[:, p:] = query[start : start + e].movedim(0, 1)
+        ref = torch.nn.functional.scaled_dot_product_attention(full_q, k, v, is_causal=True, scale=dim ** -0.5)
+        torch.testing.assert_close(out[start : start + e], ref[:, p:].movedim(0, 1), rtol=1e-5, atol=1e-5)
+        start += e
