@@ -277,22 +277,30 @@ class TierController:
             Freed device slot arrays for SGLang's allocator.
         """
         self._reap(self.mover.flush())  # pending copies pin HBM slots; land them first
-        freed, evicted = [], 0
+        freed, evicted, stuck = [], 0, []
         for node in self.tree.victims(Tier.HBM):
             if evicted >= num_tokens:
                 break
             if node.num_tiers == 1 and not self._backup_now(node):
                 # No DRAM room even after dropping DRAM's own last copies: the node's KV is
                 # lost, and so is what hangs below it (unreachable without this prefix).
-                # Transfers still using them (a slow disk) are abandoned: SGLang counted this
-                # node as evictable and must get its slots (else "Prefill out of memory").
                 for child in list(node.children.values()):
-                    self.books.abandon_subtree(child)
+                    self.books.drop_subtree(child)
                 if node.children:
-                    continue  # a transfer also moves nodes elsewhere (not expected); next victim
+                    stuck.append(node)  # a child's copy is pinned by a transfer in flight
+                    continue
                 self.books.dropped_tokens[Tier.HBM] += node.num_tokens
             evicted += node.num_tokens
             freed.append(self.tree.detach(node, Tier.HBM))
+        for node in stuck:
+            if evicted >= num_tokens or not node.alive or node.lock_ref or node.tiers() != [Tier.HBM]:
+                continue
+            # Still short: abandon the transfers pinning its children (a slow disk). SGLang
+            # counted this node as evictable and must get its slots (else "Prefill out of memory").
+            if all(self.books.abandon_subtree(child) for child in list(node.children.values())) and not node.children:
+                self.books.dropped_tokens[Tier.HBM] += node.num_tokens
+                evicted += node.num_tokens
+                freed.append(self.tree.detach(node, Tier.HBM))
         self._demote_last_copies()  # what just became DRAM-only starts down to NVMe now
         return freed
 
