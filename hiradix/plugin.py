@@ -189,7 +189,7 @@ def after_add_cli_args(result: None, parser: argparse.ArgumentParser) -> None:
         type=str,
         default=None,
         metavar="DIR",
-        help="Directory for the NVMe tier's files (created if missing).",
+        help="Directory for the NVMe tier's files (must exist; a private hiradix-rank<r>/ is made inside).",
     )
     group.add_argument(
         "--hiradix-nvme-gb",
@@ -428,6 +428,8 @@ def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -
         )
     except HiRadixConfigError as e:
         _refuse(str(e))
+    if result.page_size is not None and result.page_size < 1:
+        _refuse(f"--page-size must be >= 1 with --enable-hiradix, got {result.page_size}")
     found = _read_hf_config(str(result.model_path), getattr(result, "revision", None))
     if found is not None:
         hf_config, where = found
@@ -437,6 +439,7 @@ def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -
                 f"--model-path {result.model_path} is {reason} (from {where}); "
                 "--enable-hiradix serves plain MHA/GQA full-attention decoder models only"
             )
+        _refuse_tiers_below_one_page(config, hf_config, result)
     try:
         check_machine(config, ranks_on_this_node=_ranks_on_this_node(result))
     except HiRadixConfigError as e:
@@ -448,6 +451,24 @@ def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -
         result.page_size = DEFAULT_PAGE_SIZE_TOKENS
     os.environ[ENV_VAR] = config.to_json()
     return None
+
+
+def _refuse_tiers_below_one_page(config: HiRadixConfig, hf_config: dict, result: Any) -> None:
+    """Refuse a DRAM or NVMe budget smaller than one KV page of this model (estimated)."""
+    from hiradix.model_shape import page_bytes_estimate
+    from hiradix.tiers.nvme import slot_bytes_for
+
+    page_size = result.page_size or DEFAULT_PAGE_SIZE_TOKENS
+    page_bytes = page_bytes_estimate(hf_config, page_size, int(getattr(result, "tp_size", 1) or 1),
+                                     str(getattr(result, "dtype", "auto")), getattr(result, "kv_cache_dtype", None))
+    if page_bytes is None:
+        return
+    if config.dram_bytes < page_bytes:
+        _refuse(f"--hiradix-dram-gb {config.dram_bytes / 1e9:g} ({config.dram_bytes} bytes) holds no KV page "
+                f"of this model ({page_bytes} bytes per page of {page_size} tokens)")
+    if 0 < config.nvme_bytes < slot_bytes_for(page_bytes):
+        _refuse(f"--hiradix-nvme-gb {config.nvme_bytes / 1e9:g} ({config.nvme_bytes} bytes) holds no KV page "
+                f"of this model ({slot_bytes_for(page_bytes)} bytes per slot)")
 
 
 # -------------------------------------------------------------- resolve_once hook

@@ -183,6 +183,9 @@ REFUSALS = [
     ("dram-negative", ["--hiradix-dram-gb", "-1"], ["--hiradix-dram-gb must be > 0, got -1"]),
     ("dram-over-ram", ["--hiradix-dram-gb", "1000000"], ["--hiradix-dram-gb 1000000 needs", "available"]),
     ("nvme-not-writable", ["--hiradix-nvme-path", "/proc", "--hiradix-nvme-gb", "1"], ["--hiradix-nvme-path /proc is not writable"]),
+    ("dram-below-one-page", ["--hiradix-dram-gb", "0.00001"], ["--hiradix-dram-gb 1e-05 (10000 bytes) holds no KV page"]),
+    ("nvme-below-one-page", ["--hiradix-nvme-path", "/tmp", "--hiradix-nvme-gb", "0.00001"], ["--hiradix-nvme-gb 1e-05 (10000 bytes) holds no KV page"]),
+    ("page-size-below-one", ["--page-size", "-16"], ["--page-size must be >= 1 with --enable-hiradix, got -16"]),
 ]  # fmt: skip
 
 
@@ -810,3 +813,19 @@ def test_stock_server_with_plugin_installed_uses_default_cache(
     output = watch_server(venv_python, args, cpu_env, tmp_path, "Tree cache initialized", 180)
     assert "Tree cache initialized: source=default impl=UnifiedRadixCache" in output, output[-4000:]
     assert "hiradix" not in output
+
+
+def test_page_bytes_estimate_matches_the_pools_of_the_local_models():
+    """The launcher's one-page check uses the same bytes per page the tiers use once loaded
+    (logs: tiny 32768 B, small 262144 B per 16-token page at --dtype float32)."""
+    from hiradix.model_shape import page_bytes_estimate
+
+    tiny = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256}
+    small = {"num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64,
+             "hidden_size": 1024}
+    assert page_bytes_estimate(tiny, 16, 1, "float32") == 32768
+    assert page_bytes_estimate(small, 16, 1, "float32") == 262144
+    assert page_bytes_estimate(small, 16, 2, "auto") == 262144 // 4  # half the heads, 2-byte dtype
+    assert page_bytes_estimate(small, 16, 1, "bfloat16", "fp8_e4m3") == 262144 // 4
+    assert page_bytes_estimate({"text_config": small}, 16, 1, "float32") == 262144
+    assert page_bytes_estimate({"architectures": ["X"]}, 16, 1, "auto") is None
