@@ -26,10 +26,8 @@ import subprocess
 import time
 from pathlib import Path
 
-import aiohttp
-
 from bench.conversations import load_sessions
-from bench.multiturn import RequestRecord, WorkloadConfig, fetch_model_id, send_chat_request
+from bench.ttft_by_tier import replay_round_robin
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -58,21 +56,6 @@ def scheduler_pid(server: ServerProcess) -> int:
         if "sglang::scheduler" in " ".join(proc.cmdline()) or proc.name().startswith("sglang::schedul"):
             return proc.pid
     raise RuntimeError("no sglang::scheduler process found")
-
-
-async def replay(base_url: str, sessions, turns: range, max_tokens: int) -> list[RequestRecord]:
-    config = WorkloadConfig(max_tokens=max_tokens, system="hiradix", progress=False)
-    records = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=config.request_timeout_s)) as http:
-        model = await fetch_model_id(http, base_url)
-        for turn in turns:
-            for index, session in enumerate(sessions):
-                record = RequestRecord("hiradix", session.session_id, index, turn)
-                await send_chat_request(http, base_url, session.prompt_messages(turn), model, config, record)
-                if record.error:
-                    raise RuntimeError(f"{session.session_id} turn {turn}: {record.error}")
-                records.append(record)
-    return records
 
 
 def summarize(raw_path: Path) -> dict:
@@ -117,12 +100,13 @@ def main(argv=None) -> int:
         "--enable-hiradix", "--hiradix-dram-gb", str(args.dram_gb),
         "--hiradix-nvme-path", str(out / "nvme"), "--hiradix-nvme-gb", str(args.nvme_gb)]  # fmt: skip
     with ServerProcess(REPO_ROOT / args.model, extra_args=flags, env=cpu_env(), log_path=out / "server.log") as server:
-        asyncio.run(replay(server.base_url, sessions, range(0, args.profile_from_turn), args.max_tokens))
+        asyncio.run(replay_round_robin(server.base_url, sessions, "hiradix", args.max_tokens, range(0, args.profile_from_turn)))
         raw = out / "pyspy.raw.txt"
         spy = subprocess.Popen([py_spy, "record", "--format", "raw", "--idle", "--rate", "200", "-o", str(raw),
                                 "-p", str(scheduler_pid(server))], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         try:
-            records = asyncio.run(replay(server.base_url, sessions, range(args.profile_from_turn, args.turns), args.max_tokens))
+            records = asyncio.run(replay_round_robin(server.base_url, sessions, "hiradix", args.max_tokens,
+                                                     range(args.profile_from_turn, args.turns)))
         finally:
             spy.send_signal(signal.SIGINT)
             spy.wait(timeout=60)

@@ -33,13 +33,14 @@ from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-async def replay_round_robin(base_url: str, sessions, system: str, max_tokens: int) -> list[RequestRecord]:
-    """Turn t of every session, then turn t+1; one request in flight."""
+async def replay_round_robin(base_url: str, sessions, system: str, max_tokens: int,
+                             turns: range | None = None) -> list[RequestRecord]:
+    """Turn t of every session, then turn t+1 (all turns, or those in ``turns``); one request in flight."""
     config = WorkloadConfig(max_tokens=max_tokens, system=system, progress=False)
     records = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=config.request_timeout_s)) as http:
         model = await fetch_model_id(http, base_url)
-        for turn in range(min(s.num_turns for s in sessions)):
+        for turn in turns if turns is not None else range(min(s.num_turns for s in sessions)):
             for index, session in enumerate(sessions):
                 record = RequestRecord(system, session.session_id, index, turn)
                 await send_chat_request(http, base_url, session.prompt_messages(turn), model, config, record)
