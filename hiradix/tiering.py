@@ -525,8 +525,8 @@ class TierController:
         in_flight = len(self.books.in_flight(Kind.DEMOTE))
         waiting = []
         for node in dict.fromkeys(self.journal.landed):
-            path = self._attached_path(node) if node.alive and node.in_tier(Tier.NVME) else None
-            missing = [a for a in path[:-1] if not a.in_tier(Tier.NVME)] if path else []
+            alive = node.alive and node.in_tier(Tier.NVME)
+            missing = [a for a in self.tree.path(node)[:-1] if not a.in_tier(Tier.NVME)] if alive else []
             if missing:
                 waiting.append(node)
             for ancestor in missing:
@@ -544,14 +544,6 @@ class TierController:
         self.journal.landed = waiting
         self.journal.index.sync()
 
-    def _attached_path(self, node: TreeNode) -> Optional[list[TreeNode]]:
-        """Root's child .. ``node``, or None if ``node`` no longer hangs under this tree's root."""
-        path = []
-        while node is not None and node is not self.tree.root:
-            path.append(node)
-            node = node.parent
-        return path[::-1] if node is self.tree.root else None
-
     # ------------------------------------------------------------ lifecycle
     def reset(self) -> None:
         """Forget every lower-tier copy (SGLang's ``flush_cache``)."""
@@ -561,7 +553,7 @@ class TierController:
         self._prefetch_deadline_s.clear()
         self._expired.clear()
         if self.journal is not None:
-            self.journal.landed.clear()  # nodes of the old tree
+            self.journal.landed.clear()  # nodes of the old tree (their paths end at the old root)
 
     def close(self) -> None:
         """Stop the worker and release this rank's shared-memory files."""

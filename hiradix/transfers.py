@@ -151,14 +151,17 @@ class TierBooks:
             return self.nvme_enabled and self.nvme is not None and self.nvme.num_free > 0
         return False
 
-    def drop_copy(self, node: TreeNode, tier: Tier) -> int:
-        """Detach and free ``node``'s copy in ``tier`` (DRAM or NVMe); returns pages freed."""
+    def drop_copy(self, node: TreeNode, tier: Tier, held: frozenset | set = frozenset()) -> int:
+        """Detach and free ``node``'s copy in ``tier`` (DRAM or NVMe); returns pages freed.
+
+        ``held``: ``(tier, id)`` pairs the quarantine keeps reserved (freed at their ack).
+        """
         assert tier != Tier.HBM
         if node.num_tiers == 1:
             self.dropped_tokens[tier] += node.num_tokens
         if tier == Tier.DRAM and node.nvme_loaded:
             self.wasted_prefetch_tokens += node.num_tokens  # read up from NVMe, never used
-        ids = self.tree.detach(node, tier)
+        ids = [i for i in self.tree.detach(node, tier) if (tier, i) not in held]
         self.allocator(tier).free(ids)
         if tier == Tier.NVME and self.nvme_journal is not None:
             self.nvme_journal.invalidate(ids)
@@ -323,46 +326,39 @@ class TierBooks:
         ops = {op_id: self.ops[op_id] for n in nodes for op_id in n.ops if op_id in self.ops}
         if any(m.alive and m not in inside for op in ops.values() for m in op.nodes):
             return False
-        for op_id, op in ops.items():
-            del self.ops[op_id]
-            self._quarantine[op_id] = [(op.kind.src, list(op.src_ids)), (op.kind.dst, list(op.dst_ids))]
+        for op in ops.values():
+            self._quarantine_op(op)
             for m in op.nodes:
                 if m.alive:
                     self._unpin(m, op)
-        held = {(t, i) for q in self._quarantine.values() for t, ids in q for i in ids}
+        held = self._held()
         for n in reversed(nodes):  # children before their parents
             for tier in (Tier.NVME, Tier.DRAM):
                 if n.alive and n.in_tier(tier):
-                    self._forget_copy(n, tier, held)
+                    self.drop_copy(n, tier, held)
         return True
 
-    def _forget_copy(self, node: TreeNode, tier: Tier, held: set) -> None:
-        """:meth:`drop_copy`, but ids the quarantine holds stay reserved (freed at their ack)."""
-        if node.num_tiers == 1:
-            self.dropped_tokens[tier] += node.num_tokens
-        if tier == Tier.DRAM and node.nvme_loaded:
-            self.wasted_prefetch_tokens += node.num_tokens
-        ids = [i for i in self.tree.detach(node, tier) if (tier, i) not in held]
-        self.allocator(tier).free(ids)
-        if tier == Tier.NVME and self.nvme_journal is not None:
-            self.nvme_journal.invalidate(ids)
+    def _quarantine_op(self, op: Transfer) -> None:
+        """Forget transfer ``op``; its worker-side pages stay reserved until its ack."""
+        del self.ops[op.op_id]
+        worker = op.kind in (Kind.DEMOTE, Kind.PREFETCH)
+        self._quarantine[op.op_id] = [(op.kind.src, list(op.src_ids)), (op.kind.dst, list(op.dst_ids))] if worker else []
+
+    def _held(self) -> set[tuple[Tier, int]]:
+        """``(tier, id)`` pairs reserved by the quarantine."""
+        return {(t, i) for q in self._quarantine.values() for t, ids in q for i in ids}
 
     # --------------------------------------------------------------- reset
     def reset(self) -> None:
         """Forget every node's lower-tier copy; pages of in-flight worker transfers stay
         reserved until their ack (so a late write cannot land in a reused page)."""
-        for op in self.ops.values():
-            held = []
-            if op.kind in (Kind.DEMOTE, Kind.PREFETCH):
-                held.append((op.kind.src, list(op.src_ids)))
-                held.append((op.kind.dst, list(op.dst_ids)))
-            self._quarantine[op.op_id] = held
-        self.ops.clear()
-        quarantined = {t: {i for held in self._quarantine.values() for tt, ids in held if tt == t for i in ids} for t in (Tier.DRAM, Tier.NVME)}
+        for op in list(self.ops.values()):
+            self._quarantine_op(op)
+        held = self._held()
         for tier in (Tier.DRAM, Tier.NVME):
             pool = self.allocator(tier)
             if pool is not None:
-                used = [i for i in range(pool.capacity) if pool.is_used(i) and i not in quarantined[tier]]
+                used = [i for i in range(pool.capacity) if pool.is_used(i) and (tier, i) not in held]
                 pool.free(used)
                 if tier == Tier.NVME and self.nvme_journal is not None:
                     self.nvme_journal.invalidate(used)

@@ -240,27 +240,22 @@ def test_enospc_rolls_stores_back_then_switches_nvme_off(fleet, stock_outputs):
     assert_switched_off_once(run, f"{MAX_NVME_FAILURES_IN_ROW} NVMe writes in a row failed")
 
 
-def test_short_reads_are_misses_then_switch_nvme_off(fleet, stock_outputs):
-    """Every read returns half a slot: each is a miss (recomputed), 5 in a row -> NVMe off."""
-    run = fleet.run("short")
+@pytest.mark.parametrize("fault, logged", [
+    ("short", rb"short read \(\d+ of \d+ bytes"),  # every read returns half a slot
+    ("corrupt", rb"checksum mismatch"),  # one byte of every slot read flipped before verification
+], ids=["short-reads", "corrupted-bytes"])
+def test_bad_reads_are_misses_never_served_then_switch_nvme_off(fleet, stock_outputs, fault, logged):
+    """Short reads and corrupted bytes: every read is a miss (recomputed, caught by the length
+    check or the checksum), no such page reaches attention, 5 in a row -> NVMe off."""
+    run = fleet.run(fault)
     assert_served_right(run, stock_outputs)
-    assert re.search(rb"short read \(\d+ of \d+ bytes", run.log)
+    assert re.search(logged, run.log)
     assert run.metrics["failed_PREFETCH"] >= MAX_NVME_FAILURES_IN_ROW and run.metrics["prefetch_completed"] == 0
-    assert run.hits(range(PHASE1 + PHASE2), range(TURNS))["storage"] == 0  # no short page ever served
+    assert run.hits(range(PHASE1 + PHASE2), range(TURNS))["storage"] == 0  # no bad page ever served
     assert_switched_off_once(run, f"{MAX_NVME_FAILURES_IN_ROW} NVMe reads in a row failed")
 
 
-# ---- the bytes on disk go bad ---------------------------------------------------------------
-
-
-def test_corrupted_bytes_are_caught_by_checksums_then_switch_nvme_off(fleet, stock_outputs):
-    """One byte of every slot read is flipped before verification: all misses, never served."""
-    run = fleet.run("corrupt")
-    assert_served_right(run, stock_outputs)
-    assert b"checksum mismatch" in run.log
-    assert run.metrics["failed_PREFETCH"] >= MAX_NVME_FAILURES_IN_ROW and run.metrics["prefetch_completed"] == 0
-    assert run.hits(range(PHASE1 + PHASE2), range(TURNS))["storage"] == 0  # no flipped page reached attention
-    assert_switched_off_once(run, f"{MAX_NVME_FAILURES_IN_ROW} NVMe reads in a row failed")
+# ---- the file goes bad ----------------------------------------------------------------------
 
 
 def test_truncated_file_reads_are_misses(fleet, stock_outputs):

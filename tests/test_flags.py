@@ -741,7 +741,7 @@ def _free_port() -> int:
                 return port
             except OSError:
                 continue
-    pytest.skip("no free port in 32040-32099")
+    pytest.fail("no free port pair in 32040-32099: another process holds them all")
 
 
 def _sgl_kernel_importable(python: str) -> bool:
@@ -783,7 +783,7 @@ def watch_server(python: str, args: list[str], env: dict, cwd: Path, until: str,
 @pytest.mark.e2e
 def test_config_reaches_the_scheduler(venv_python, cpu_env, cpu_flags, tiny_model, tmp_path):
     if not _sgl_kernel_importable(venv_python):
-        pytest.skip("patches not applied (sgl_kernel stand-in missing): run patches/apply.py")
+        pytest.fail("patches not applied (sgl_kernel stand-in missing): run scripts/setup or patches/apply.py")
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     args = ["--model-path", str(tiny_model), *cpu_flags, "--port", str(_free_port()),
@@ -808,7 +808,7 @@ def test_stock_server_with_plugin_installed_uses_default_cache(
     venv_python, cpu_env, cpu_flags, tiny_model, tmp_path
 ):
     if not _sgl_kernel_importable(venv_python):
-        pytest.skip("patches not applied (sgl_kernel stand-in missing): run patches/apply.py")
+        pytest.fail("patches not applied (sgl_kernel stand-in missing): run scripts/setup or patches/apply.py")
     args = ["--model-path", str(tiny_model), *cpu_flags, "--port", str(_free_port())]
     output = watch_server(venv_python, args, cpu_env, tmp_path, "Tree cache initialized", 180)
     assert "Tree cache initialized: source=default impl=UnifiedRadixCache" in output, output[-4000:]
