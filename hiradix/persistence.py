@@ -38,14 +38,28 @@ class IndexJournal:
         self.index.invalidate(slots)
 
     def stored(self, node: TreeNode, slots: Sequence[int]) -> None:
-        ps = self.tree.page_size
-        parent = b""
-        for ancestor in self.tree.path(node)[:-1]:
-            for i in range(0, ancestor.num_tokens, ps):
-                parent = page_hash(parent, node.namespace, ancestor.tokens[i : i + ps])
-        pages = [node.tokens[i : i + ps] for i in range(0, node.num_tokens, ps)]
-        self.index.record(slots, parent, pages, node.namespace)
+        pages = self._pages(node)
+        node.chain_hash = self.index.record(slots, self._parent_hash(node), pages, node.namespace)
         self.landed.append(node)
+
+    def _pages(self, node: TreeNode) -> list:
+        ps = self.tree.page_size
+        return [node.tokens[i : i + ps] for i in range(0, node.num_tokens, ps)]
+
+    def _parent_hash(self, node: TreeNode) -> bytes:
+        """Chain hash of the prefix above ``node``: hashes only the pages below the nearest
+        ancestor whose ``chain_hash`` is cached (and caches them on the way down)."""
+        above = []
+        parent = node.parent
+        while parent is not self.tree.root and parent.chain_hash is None:
+            above.append(parent)
+            parent = parent.parent
+        h = b"" if parent is self.tree.root else parent.chain_hash
+        for ancestor in reversed(above):
+            for tokens in self._pages(ancestor):
+                h = page_hash(h, node.namespace, tokens)
+            ancestor.chain_hash = h
+        return h
 
 
 def restore(tree: TieredRadixTree, books: TierBooks, pages: list[Page]) -> int:

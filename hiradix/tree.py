@@ -69,6 +69,9 @@ class TreeNode:
     last_access_s: float = 0.0  # monotonic seconds of the last match/insert touching it
     hit_count: int = 0  # times a request other than the inserter reused it
     nvme_loaded: bool = False  # DRAM copy came from NVMe and has not been promoted yet
+    # hiradix.persistence: hash of the prefix through this node's last page, cached; a split
+    # leaves it on the lower node (same last page) and not on the new upper one.
+    chain_hash: Optional[bytes] = None
 
     @property
     def num_tokens(self) -> int:

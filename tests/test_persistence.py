@@ -226,3 +226,24 @@ def test_journal_is_compacted_while_running_and_loses_nothing(tmp_path, monkeypa
     expected = {s: (r, r) for r in range(192, 200) for s in [r % 8]}
     expected.update({3: (77, 78), 20: (90, 91)})
     assert got == expected
+
+
+def test_cached_chain_hashes_survive_splits(tmp_path):
+    """The journal caches each node's prefix hash; a split must not make a later page point
+    at the wrong parent: everything stored before and after the split comes back whole."""
+    h, journal, index, _ = fresh(tmp_path)
+    a, _ = h.insert([1, 2, 3, 4, 5, 6])
+    persist(h, journal, a)  # caches a.chain_hash over 3 pages
+    b, _ = h.insert([1, 2, 3, 4, 9, 9, 7, 7])  # splits a after 2 pages; new leaf [9, 9, 7, 7]
+    upper = b.parent
+    assert upper.chain_hash is None and a.chain_hash is not None  # a keeps its last page
+    persist(h, journal, b)  # parent hash via upper: hashed afresh from the root
+    expected = b""
+    for page in ([1, 2], [3, 4]):
+        expected = page_hash(expected, None, page)
+    assert upper.chain_hash == expected
+    index.close()
+    h2, _, _, restored = fresh(tmp_path)
+    assert restored == 5
+    assert h2.tree.match([1, 2, 3, 4, 9, 9, 7, 7]).nvme_len == 8
+    assert h2.tree.match([1, 2, 3, 4, 5, 6]).nvme_len == 6
