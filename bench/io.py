@@ -59,7 +59,7 @@ import torch
 
 from hiradix.io.client import IOWorkerClient
 from hiradix.io.protocol import LoadPages, StorePages, WorkerSpec
-from hiradix.layout import KVLayout, load_layer, store_pages
+from hiradix.dataplane.layout import KVLayout, load_layer, store_pages
 from hiradix.tiers.dram import DramPool
 from hiradix.tiers.nvme import SLOT_ALIGN, NvmeStore, align_up, kvikio_unusable_reason
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hiradix.layout import KVLayout, load_layer, store_pages
+from hiradix.dataplane.layout import KVLayout, load_layer, store_pages
 from hiradix.tiers.dram import DramPool
 from hiradix.tiers.nvme import NvmeStore
 

@@ -2,9 +2,10 @@
 
 Each request (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``: one id per
 512-token block; equal ids = equal content; an id encodes its whole prefix) arrives at its
-timestamp at a queueing model of one SGLang engine. The cache is the real tree, policy,
-``TierBooks`` and ``TierController``, driven as :mod:`hiradix.cache` drives them, over the
-data-less stand-ins of :mod:`hiradix.simulated` (no KV bytes). HBM only, + DRAM and + NVMe,
+timestamp at a queueing model of one SGLang engine. The cache is the server's own
+:class:`hiradix.core.prefix_cache.TieredPrefixCache` (tree, policy, ledger, placement,
+controller), called as the SGLang seam (``hiradix.sglang_plugin.cache``) calls it, over the
+data-less ports of :mod:`hiradix.testing.sim_ports` (no KV bytes). HBM only, + DRAM and + NVMe,
 each with ``lru`` and ``lookahead``, are compared with the trace's infinite-cache hit rate.
 
 What is counted:
@@ -48,6 +49,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import heapq
+import itertools
 import json
 import sys
 import time
@@ -62,15 +64,15 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `hiradix` and `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hiradix.policy import make_policy  # noqa: E402
-from hiradix.simulated import (  # noqa: E402
+from hiradix.core.policy import make_policy  # noqa: E402
+from hiradix.core.prefix_cache import TieredPrefixCache  # noqa: E402
+from hiradix.core.tree import TieredRadixTree, TreeNode  # noqa: E402
+from hiradix.testing.sim_ports import (  # noqa: E402
     SimClock,
     SimDevicePool,
-    SimPrefixCache,
     next_event_s,
     simulated_controller,
 )
-from hiradix.tree import TieredRadixTree, TreeNode  # noqa: E402
 
 BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake trace
 DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
@@ -244,7 +246,7 @@ class Counters:
 
 
 class Engine:
-    """The queueing model of one SGLang engine around a :class:`SimPrefixCache`.
+    """The queueing model of one SGLang engine around the server's :class:`TieredPrefixCache`.
 
     Args:
         trace: requests sorted by arrival.
@@ -268,7 +270,8 @@ class Engine:
                 write_s_per_page=cfg.page_bytes / cfg.nvme_write_bytes_per_s,
             )  # fmt: skip
         device = SimDevicePool(cfg.hbm_tokens // u, tree_ps)
-        self.cache = SimPrefixCache(self.tree, device, tiers, cfg.lookahead_window, cfg.load_timeout_s)
+        self.device = device
+        self.cache = TieredPrefixCache(self.tree, device, tiers, cfg.lookahead_window, cfg.load_timeout_s)
         self.counters = Counters()
         self.waiting: deque[SimRequest] = deque()
         self.batch: list[SimRequest] = []
@@ -319,7 +322,8 @@ class Engine:
             self.next_arrival += 1
         self.cache.step()
         if self.waiting:
-            self.cache.observe_queue([r.key for r in self.waiting])
+            window = itertools.islice(self.waiting, self.cfg.lookahead_window)
+            self.cache.observe_queue([(r.key, None) for r in window])
         self.retry_s = None
         if not self.batch and self.waiting:
             self._admit()
@@ -335,7 +339,7 @@ class Engine:
         req = SimRequest(idx, tr, key, scratch_pages * cfg.page_size // cfg.unit_tokens)
         self.counters.requests += 1
         self.counters.prompt_tokens += tr.input_len
-        if len(key) + req.scratch_len > self.cache.device.capacity_tokens:
+        if len(key) + req.scratch_len > self.device.capacity_tokens:
             self.counters.rejected += 1
             self.counters.block_refs += len(tr.hash_ids)
             self.finished += 1
@@ -349,7 +353,7 @@ class Engine:
         for req in list(self.waiting):
             if running + len(self.batch) >= cfg.max_running or batch_tokens >= cfg.max_prefill_tokens:
                 break
-            m = self.cache.match_prefix(req.key)
+            m = self.cache.match(req.key)
             if req.first_try_s is None:
                 req.first_try_s, req.fast_len = now, m.hbm_len + m.dram_len
             if self.cache.should_wait(req.key):
@@ -364,8 +368,7 @@ class Engine:
             self.batch.append(req)
             batch_tokens += (len(req.key) - req.protected_len) * cfg.unit_tokens + req.trace.input_len % cfg.page_size
         if self.batch:
-            if self.cache.tiers is not None:
-                self.cache.tiers.start_loading()
+            self.cache.start_loading()
             self.batch_done_s = now + cfg.batch_overhead_s + batch_tokens / cfg.prefill_tokens_per_s
 
     def _try_admit(self, req: SimRequest, m) -> bool:
@@ -373,10 +376,10 @@ class Engine:
         tree, cache = self.tree, self.cache
         tree.inc_lock(m.hbm_node)
         need = len(req.key) - m.hbm_len + req.scratch_len
-        if need > cache.device.available_size() + tree.hbm_evictable_tokens:
+        if need > self.device.available_size() + tree.hbm_evictable_tokens:
             tree.dec_lock(m.hbm_node)
             return False
-        loaded, from_nvme, last = cache.load_back(m.hbm_node, m.dram_node, m.dram_len)
+        loaded, waited, last = cache.load_back(m.hbm_node, m.dram_node, m.dram_len)
         if last is not m.hbm_node:
             tree.inc_lock(last)
             tree.dec_lock(m.hbm_node)
@@ -388,7 +391,7 @@ class Engine:
         req.lock, req.protected_len, req.admitted_s = last, hit, self.clock()
         req.row = cache.path_slots(last) + new[: len(req.key) - hit]
         req.scratch = new[len(req.key) - hit :]
-        req.served = (m.hbm_len, loaded - from_nvme, from_nvme)
+        req.served = (m.hbm_len, loaded - waited, waited)
         self._count_hits(req, m)
         return True
 
@@ -410,7 +413,10 @@ class Engine:
         """Insert each prompt of the batch (``checkpoint``); the requests start decoding."""
         now = self.clock()
         for req in self.batch:
-            req.lock = self.cache.checkpoint(req.key, req.row, req.protected_len, req.lock)
+            _, last = self.cache.checkpoint(req.key, None, req.row, req.protected_len)
+            self.cache.lock(last)
+            self.cache.unlock(req.lock)
+            req.lock = last
             req.row = []  # the tree owns the prompt's slots now
             done_s = now + req.trace.output_len / self.cfg.decode_tokens_per_s
             heapq.heappush(self.decoding, (done_s, req.idx, req))
@@ -418,7 +424,7 @@ class Engine:
 
     def _finish(self, req: SimRequest) -> None:
         self.tree.dec_lock(req.lock)
-        self.cache.device.free(req.scratch)
+        self.device.free(req.scratch)
         req.scratch, req.lock, req.key = [], None, array("q")
         self.finished += 1
 
@@ -431,7 +437,7 @@ class Engine:
 
     def check(self) -> None:
         """Every invariant: tree and books, plus HBM slots used == tree + requests."""
-        self.cache.check_integrity(self.held_by_requests())
+        self.cache.check_integrity(self.held_by_requests(), used_tokens=self.device.num_used_tokens())
 
 
 # ---------------------------------------------------------------- scenarios

@@ -56,7 +56,7 @@ from bench.conversations import Session, load_sessions
 from bench.multiturn import RequestRecord, WorkloadConfig, fetch_model_id, send_chat_request
 from hiradix.testing.resources import TreeUsage, dir_modes, private_mode_problems, tree_usage
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
-from hiradix.tiers.dram import default_shm_dir
+from hiradix.tiers.files import default_shm_dir
 
 logger = logging.getLogger(__name__)
 

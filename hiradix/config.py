@@ -1,15 +1,20 @@
-"""hiradix configuration: one frozen, typed record built from the `--hiradix-*` flags.
+"""hiradix configuration: one table of flags, and the frozen, typed record built from it.
 
-The record is made in the launcher (`HiRadixConfig.from_flags`), rides to every
-scheduler process as the bookkeeping attribute `server_args._hiradix_config`, and is
-also exported as JSON in the environment variable `HIRADIX_CONFIG` (fallback).
+:data:`FLAGS` is the only place a ``--hiradix-*`` flag is spelled: SGLang's parser gets its
+arguments from it (``hiradix.sglang_plugin.flags``), :meth:`HiRadixConfig.from_flags` converts
+and validates command-line values with it, and every error message names the flag through it.
+Policies are validated against the policy registry (:func:`hiradix.core.policy.policy_names`).
 
-Units: sizes are in bytes in the record and in decimal gigabytes (1 GB = 1e9 bytes,
-as SGLang's `--hicache-size`) on the command line. Sizes are per scheduler process
-(one per TP rank), like `--hicache-size`: a server with `--tp-size 2` uses twice
-`dram_bytes` of host memory.
+The record is made in the launcher, rides to every scheduler process as the bookkeeping
+attribute ``server_args._hiradix_config``, and is also exported as JSON in the environment
+variable ``HIRADIX_CONFIG`` (fallback).
 
-Validation raises `HiRadixConfigError` (a `ValueError`) whose message names the flag
+Units: sizes are in bytes in the record and in decimal gigabytes (1 GB = 1e9 bytes, as
+SGLang's ``--hicache-size``) on the command line. Sizes are per scheduler process (one per TP
+rank), like ``--hicache-size``: a server with ``--tp-size 2`` uses twice ``dram_bytes`` of host
+memory.
+
+Validation raises :class:`HiRadixConfigError` (a ``ValueError``) whose message names the flag
 and the value the user gave, e.g. "--hiradix-dram-gb must be > 0, got -1".
 """
 
@@ -23,36 +28,15 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Callable, Optional
+
+from hiradix.core.policy import make_policy, policy_names
 
 # The environment variable that carries `HiRadixConfig.to_json()` to child processes.
 ENV_VAR = "HIRADIX_CONFIG"
 
 BYTES_PER_GB = 10**9
-
-Policy = Literal["lru", "lookahead"]
-WritePolicy = Literal["write_through", "write_back"]
-POLICIES: tuple[str, ...] = get_args(Policy)
-WRITE_POLICIES: tuple[str, ...] = get_args(WritePolicy)
-
-# Defaults, in the units of the command line.
-DEFAULT_DRAM_GB = 4.0
-DEFAULT_NVME_GB = 0.0
-DEFAULT_POLICY: Policy = "lookahead"
-DEFAULT_LOOKAHEAD_WINDOW = 64
-DEFAULT_WRITE_POLICY: WritePolicy = "write_through"
-DEFAULT_LOAD_TIMEOUT_S = 2.0
-
-# The command-line flag of each field, for error messages.
-FLAG_OF_FIELD: dict[str, str] = {
-    "dram_bytes": "--hiradix-dram-gb",
-    "nvme_path": "--hiradix-nvme-path",
-    "nvme_bytes": "--hiradix-nvme-gb",
-    "policy": "--hiradix-policy",
-    "lookahead_window": "--hiradix-lookahead-window",
-    "write_policy": "--hiradix-write-policy",
-    "load_timeout_s": "--hiradix-load-timeout-s",
-}
+WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")
 
 
 class HiRadixConfigError(ValueError):
@@ -69,9 +53,88 @@ def _gb(num_bytes: int) -> str:
     return _num(num_bytes / BYTES_PER_GB)
 
 
+@dataclass(frozen=True)
+class FlagSpec:
+    """One ``--hiradix-*`` value flag.
+
+    Attributes:
+        name: keyword of :meth:`HiRadixConfig.from_flags`; the flag is ``--hiradix-<name>``
+            (underscores as dashes) and the argparse dest ``hiradix_<name>``.
+        field: the :class:`HiRadixConfig` attribute it sets.
+        type: argparse type of the command-line value.
+        default: default, in command-line units.
+        help: one line for ``--help`` (the default is appended).
+        metavar: argparse metavar, or None (choices are shown instead).
+        choices: the accepted values, looked up when asked (e.g. the policy registry).
+        convert: command-line value -> record value (e.g. GB -> bytes); may raise
+            :class:`HiRadixConfigError` naming the flag.
+    """
+
+    name: str
+    field: str
+    type: type
+    default: Any
+    help: str
+    metavar: Optional[str] = None
+    choices: Optional[Callable[[], list[str]]] = None
+    convert: Optional[Callable[[str, Any], Any]] = None
+
+    @property
+    def flag(self) -> str:
+        return "--hiradix-" + self.name.replace("_", "-")
+
+    @property
+    def dest(self) -> str:
+        return "hiradix_" + self.name
+
+    def to_field(self, value: Any) -> Any:
+        """The record value of command-line ``value`` (None: the default)."""
+        value = self.default if value is None else value
+        return value if self.convert is None else self.convert(self.flag, value)
+
+
+def _gb_to_bytes(flag: str, gb: float) -> int:
+    if not math.isfinite(gb):
+        raise HiRadixConfigError(f"{flag} must be a finite number, got {gb}")
+    return round(gb * BYTES_PER_GB)
+
+
+def _resolve_path(flag: str, path: Any) -> Optional[Path]:
+    if path is None:
+        return None
+    if str(path).strip() == "":
+        raise HiRadixConfigError(f"{flag} must not be empty")
+    return Path(path).expanduser().resolve()
+
+
+FLAGS: tuple[FlagSpec, ...] = (
+    FlagSpec("dram_gb", "dram_bytes", float, 4.0, "DRAM tier size, in GB.", "GB", convert=_gb_to_bytes),
+    FlagSpec("nvme_path", "nvme_path", str, None,
+             "Directory for the NVMe tier's files (must exist; a private hiradix-rank<r>/ is made inside).",
+             "DIR", convert=_resolve_path),
+    FlagSpec("nvme_gb", "nvme_bytes", float, 0.0, "NVMe tier size, in GB; 0 = no NVMe tier.", "GB",
+             convert=_gb_to_bytes),
+    FlagSpec("policy", "policy", str, "lookahead", "Eviction/promotion policy.", choices=policy_names),
+    FlagSpec("lookahead_window", "lookahead_window", int, 64,
+             "Waiting requests a queue-aware policy (lookahead) inspects per step.", "REQUESTS"),
+    FlagSpec("write_policy", "write_policy", str, "write_through", "When KV is copied down a tier.",
+             choices=lambda: list(WRITE_POLICIES)),
+    FlagSpec("load_timeout_s", "load_timeout_s", float, 2.0,
+             "How long a request may wait for its NVMe pages; then it runs with what is ready.", "SECONDS",
+             convert=lambda flag, v: float(v)),
+)  # fmt: skip
+FLAG_BY_NAME: dict[str, FlagSpec] = {f.name: f for f in FLAGS}
+FLAG_OF_FIELD: dict[str, str] = {f.field: f.flag for f in FLAGS}  # for error messages
+VALUE_FLAGS: dict[str, str] = {f.dest: f.flag for f in FLAGS}  # argparse dest -> flag
+
+
+def _default(name: str) -> Any:
+    return FLAG_BY_NAME[name].to_field(None)
+
+
 @dataclass(frozen=True, slots=True)
 class HiRadixConfig:
-    """What the three-tier cache needs to know, validated on construction.
+    """What the tiered cache needs to know, validated on construction.
 
     Attributes:
         dram_bytes: DRAM (host memory) tier capacity per scheduler process, in bytes.
@@ -80,24 +143,24 @@ class HiRadixConfig:
             None when there is no NVMe tier. Flag `--hiradix-nvme-path`.
         nvme_bytes: NVMe tier capacity per scheduler process, in bytes; 0 means no
             NVMe tier. > 0 requires `nvme_path`. Flag `--hiradix-nvme-gb` (GB).
-        policy: Eviction/promotion policy: "lru" or "lookahead" (scheduler-aware,
-            CachedAttention §3.3). Flag `--hiradix-policy`.
-        lookahead_window: How many waiting requests the look-ahead policy inspects
-            each scheduler step, in requests (>= 1). Flag `--hiradix-lookahead-window`.
+        policy: Eviction/promotion policy, a registered name (`lru`, `lookahead`, ...).
+            Flag `--hiradix-policy`.
+        lookahead_window: How many waiting requests a queue-aware policy inspects each
+            scheduler step, in requests (>= 1). Flag `--hiradix-lookahead-window`.
         write_policy: When KV is copied down a tier: "write_through" (on insert) or
             "write_back" (on eviction). Flag `--hiradix-write-policy`.
-        load_timeout_s: How long a request may wait for its KV to be loaded from a
-            lower tier before the load is abandoned and the prefix recomputed, in
-            seconds (> 0). Flag `--hiradix-load-timeout-s`.
+        load_timeout_s: How long a request may wait at admission for its pages to be read
+            from NVMe, in seconds (> 0); then it runs with what is ready and recomputes the
+            rest. Flag `--hiradix-load-timeout-s`.
     """
 
-    dram_bytes: int = round(DEFAULT_DRAM_GB * BYTES_PER_GB)
+    dram_bytes: int = _default("dram_gb")
     nvme_path: Path | None = None
-    nvme_bytes: int = 0
-    policy: Policy = DEFAULT_POLICY
-    lookahead_window: int = DEFAULT_LOOKAHEAD_WINDOW
-    write_policy: WritePolicy = DEFAULT_WRITE_POLICY
-    load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
+    nvme_bytes: int = _default("nvme_gb")
+    policy: str = _default("policy")
+    lookahead_window: int = _default("lookahead_window")
+    write_policy: str = _default("write_policy")
+    load_timeout_s: float = _default("load_timeout_s")
 
     def __post_init__(self) -> None:
         self._validate()
@@ -107,57 +170,40 @@ class HiRadixConfig:
         for name in ("dram_bytes", "nvme_bytes", "lookahead_window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise HiRadixConfigError(
-                    f"{flag[name]}: {name} must be an int, got {value!r}"
-                )
+                raise HiRadixConfigError(f"{flag[name]}: {name} must be an int, got {value!r}")
         if self.dram_bytes <= 0:
-            raise HiRadixConfigError(
-                f"{flag['dram_bytes']} must be > 0, got {_gb(self.dram_bytes)}"
-            )
+            raise HiRadixConfigError(f"{flag['dram_bytes']} must be > 0, got {_gb(self.dram_bytes)}")
         if self.nvme_bytes < 0:
-            raise HiRadixConfigError(
-                f"{flag['nvme_bytes']} must be >= 0, got {_gb(self.nvme_bytes)}"
-            )
-        if self.nvme_path is not None:
-            if not isinstance(self.nvme_path, Path) or not self.nvme_path.is_absolute():
-                raise HiRadixConfigError(
-                    f"{flag['nvme_path']} must be an absolute path, got {self.nvme_path!r}"
-                )
-            if self.nvme_bytes == 0:
-                raise HiRadixConfigError(
-                    f"{flag['nvme_path']} {self.nvme_path} is given but "
-                    f"{flag['nvme_bytes']} is 0 (no NVMe tier); give "
-                    f"{flag['nvme_bytes']} > 0 or drop {flag['nvme_path']}"
-                )
-        if self.nvme_bytes > 0 and self.nvme_path is None:
-            raise HiRadixConfigError(
-                f"{flag['nvme_bytes']} {_gb(self.nvme_bytes)} needs {flag['nvme_path']}"
-            )
-        if self.policy not in POLICIES:
-            raise HiRadixConfigError(
-                f"{flag['policy']} must be one of {list(POLICIES)}, got {self.policy!r}"
-            )
+            raise HiRadixConfigError(f"{flag['nvme_bytes']} must be >= 0, got {_gb(self.nvme_bytes)}")
+        self._validate_nvme_path()
+        if self.policy not in policy_names():
+            raise HiRadixConfigError(f"{flag['policy']} must be one of {policy_names()}, got {self.policy!r}")
         if self.lookahead_window < 1:
             raise HiRadixConfigError(
-                f"{flag['lookahead_window']} must be >= 1 (requests), "
-                f"got {self.lookahead_window}"
+                f"{flag['lookahead_window']} must be >= 1 (requests), got {self.lookahead_window}"
             )
         if self.write_policy not in WRITE_POLICIES:
             raise HiRadixConfigError(
-                f"{flag['write_policy']} must be one of {list(WRITE_POLICIES)}, "
-                f"got {self.write_policy!r}"
+                f"{flag['write_policy']} must be one of {list(WRITE_POLICIES)}, got {self.write_policy!r}"
             )
         timeout = self.load_timeout_s
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not math.isfinite(timeout)
-            or timeout <= 0
-        ):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
             raise HiRadixConfigError(
-                f"{flag['load_timeout_s']} must be a finite number > 0 (seconds), "
-                f"got {timeout!r}"
+                f"{flag['load_timeout_s']} must be a finite number > 0 (seconds), got {timeout!r}"
             )
+
+    def _validate_nvme_path(self) -> None:
+        flag = FLAG_OF_FIELD
+        if self.nvme_path is not None:
+            if not isinstance(self.nvme_path, Path) or not self.nvme_path.is_absolute():
+                raise HiRadixConfigError(f"{flag['nvme_path']} must be an absolute path, got {self.nvme_path!r}")
+            if self.nvme_bytes == 0:
+                raise HiRadixConfigError(
+                    f"{flag['nvme_path']} {self.nvme_path} is given but {flag['nvme_bytes']} is 0 "
+                    f"(no NVMe tier); give {flag['nvme_bytes']} > 0 or drop {flag['nvme_path']}"
+                )
+        if self.nvme_bytes > 0 and self.nvme_path is None:
+            raise HiRadixConfigError(f"{flag['nvme_bytes']} {_gb(self.nvme_bytes)} needs {flag['nvme_path']}")
 
     @property
     def has_nvme_tier(self) -> bool:
@@ -165,71 +211,31 @@ class HiRadixConfig:
         return self.nvme_bytes > 0
 
     @classmethod
-    def from_flags(
-        cls,
-        *,
-        dram_gb: float | None = None,
-        nvme_path: str | os.PathLike[str] | None = None,
-        nvme_gb: float | None = None,
-        policy: str | None = None,
-        lookahead_window: int | None = None,
-        write_policy: str | None = None,
-        load_timeout_s: float | None = None,
-    ) -> HiRadixConfig:
-        """Build from command-line values; None means "flag not given" (use the default).
+    def from_flags(cls, **values: Any) -> HiRadixConfig:
+        """Build from command-line values, keyed by :attr:`FlagSpec.name`; None = not given.
 
-        Args:
-            dram_gb: `--hiradix-dram-gb`, in GB (1e9 bytes).
-            nvme_path: `--hiradix-nvme-path`; made absolute and resolved (symlinks).
-            nvme_gb: `--hiradix-nvme-gb`, in GB; 0 = no NVMe tier.
-            policy: `--hiradix-policy`.
-            lookahead_window: `--hiradix-lookahead-window`, in requests.
-            write_policy: `--hiradix-write-policy`.
-            load_timeout_s: `--hiradix-load-timeout-s`, in seconds.
+        Example: ``HiRadixConfig.from_flags(dram_gb=1.5, nvme_path="/mnt/nvme", nvme_gb=2)``.
+        Paths are made absolute and resolved (symlinks); GB become bytes.
 
         Raises:
             HiRadixConfigError: a value is out of range or the combination is invalid.
+            TypeError: a keyword that names no flag.
         """
-        dram_gb = DEFAULT_DRAM_GB if dram_gb is None else dram_gb
-        nvme_gb = DEFAULT_NVME_GB if nvme_gb is None else nvme_gb
-        for flag, gb in (("--hiradix-dram-gb", dram_gb), ("--hiradix-nvme-gb", nvme_gb)):
-            if not math.isfinite(gb):
-                raise HiRadixConfigError(f"{flag} must be a finite number, got {gb}")
-        if dram_gb <= 0:
-            raise HiRadixConfigError(f"--hiradix-dram-gb must be > 0, got {_num(dram_gb)}")
-        if nvme_gb < 0:
-            raise HiRadixConfigError(f"--hiradix-nvme-gb must be >= 0, got {_num(nvme_gb)}")
-        if policy == "lru" and lookahead_window is not None:
+        unknown = sorted(set(values) - set(FLAG_BY_NAME))
+        if unknown:
+            raise TypeError(f"from_flags() got unknown flags {unknown}; known: {sorted(FLAG_BY_NAME)}")
+        policy, window = values.get("policy"), values.get("lookahead_window")
+        if window is not None and policy in policy_names() and not make_policy(policy).uses_queue:
+            queue_aware = ", ".join(n for n in policy_names() if make_policy(n).uses_queue)
             raise HiRadixConfigError(
-                "--hiradix-lookahead-window applies only to --hiradix-policy lookahead, "
-                "but --hiradix-policy is lru"
+                f"{FLAG_BY_NAME['lookahead_window'].flag} applies only to {FLAG_BY_NAME['policy'].flag} "
+                f"{queue_aware}, but {FLAG_BY_NAME['policy'].flag} is {policy}"
             )
-        resolved_path = None
-        if nvme_path is not None:
-            if str(nvme_path).strip() == "":
-                raise HiRadixConfigError("--hiradix-nvme-path must not be empty")
-            resolved_path = Path(nvme_path).expanduser().resolve()
-        return cls(
-            dram_bytes=round(dram_gb * BYTES_PER_GB),
-            nvme_path=resolved_path,
-            nvme_bytes=round(nvme_gb * BYTES_PER_GB),
-            policy=DEFAULT_POLICY if policy is None else policy,  # type: ignore[arg-type]
-            lookahead_window=(
-                DEFAULT_LOOKAHEAD_WINDOW if lookahead_window is None else lookahead_window
-            ),
-            write_policy=(
-                DEFAULT_WRITE_POLICY if write_policy is None else write_policy  # type: ignore[arg-type]
-            ),
-            load_timeout_s=(
-                DEFAULT_LOAD_TIMEOUT_S if load_timeout_s is None else float(load_timeout_s)
-            ),
-        )
+        return cls(**{spec.field: spec.to_field(values.get(spec.name)) for spec in FLAGS})
 
     def to_json(self) -> str:
         """Serialize to one line of JSON (sizes in bytes, path as a string or null)."""
-        data: dict[str, Any] = {
-            f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-        }
+        data: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["nvme_path"] = None if self.nvme_path is None else str(self.nvme_path)
         return json.dumps(data, sort_keys=True)
 
@@ -259,14 +265,8 @@ class HiRadixConfig:
 
     def summary(self) -> str:
         """One-line description for the server log."""
-        nvme = (
-            f"{self.nvme_path} ({self.nvme_bytes} bytes)" if self.has_nvme_tier else "off"
-        )
-        window = (
-            f", lookahead_window={self.lookahead_window}"
-            if self.policy == "lookahead"
-            else ""
-        )
+        nvme = f"{self.nvme_path} ({self.nvme_bytes} bytes)" if self.has_nvme_tier else "off"
+        window = f", lookahead_window={self.lookahead_window}" if make_policy(self.policy).uses_queue else ""
         return (
             f"policy={self.policy}{window}, write_policy={self.write_policy}, "
             f"dram_bytes={self.dram_bytes}, nvme={nvme}, "

@@ -67,7 +67,7 @@ def tiny_model(venv_python: str) -> Path:
 def stock_outputs(tiny_model: Path, tmp_path_factory) -> list[list[dict]]:
     """Greedy outputs of stock SGLang on the e2e workload (``tests.e2e_helpers``): 20 sessions
     x 4 turns, an HBM pool that keeps everything, a queue (2 running). Once per session."""
-    from tests.e2e_helpers import SESSIONS, TURNS, WORDS, run_sessions, start
+    from tests.helpers.e2e import SESSIONS, TURNS, WORDS, run_sessions, start
 
     log = tmp_path_factory.mktemp("stock") / "stock.log"
     with start(tiny_model, log, 32768, ["--max-running-requests", "2"]) as stock:

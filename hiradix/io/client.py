@@ -35,6 +35,7 @@ from hiradix.io.protocol import (
     Endpoints,
     Job,
     JobDone,
+    LoadPages,
     Ping,
     Pong,
     ProtocolError,
@@ -44,6 +45,7 @@ from hiradix.io.protocol import (
     Rejected,
     Shutdown,
     StartFailed,
+    StorePages,
     WorkerReply,
     WorkerRequest,
     WorkerSpec,
@@ -51,7 +53,7 @@ from hiradix.io.protocol import (
     job_pages,
     make_endpoints,
 )
-from hiradix.tiers.dram import ensure_private_dir
+from hiradix.tiers.files import ensure_private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +264,14 @@ class IOWorkerClient:
             return
         assert self._worker is not None and self._worker.requests is not None
         self._worker.requests.put(job)
+
+    def submit_store(self, job_id: int, dram_pages: list[int], nvme_slots: list[int]) -> None:
+        """:meth:`submit` a ``StorePages`` job (the core's ``IOClient`` port)."""
+        self.submit(StorePages(job_id, list(dram_pages), list(nvme_slots)))
+
+    def submit_load(self, job_id: int, nvme_slots: list[int], dram_pages: list[int]) -> None:
+        """:meth:`submit` a ``LoadPages`` job (the core's ``IOClient`` port)."""
+        self.submit(LoadPages(job_id, list(nvme_slots), list(dram_pages)))
 
     def poll(self) -> list[JobDone]:
         """Drain replies without blocking.

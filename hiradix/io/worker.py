@@ -76,8 +76,9 @@ from hiradix.io.protocol import (
     job_pages,
     validate_job,
 )
-from hiradix.layout import KVLayout
-from hiradix.tiers.dram import DramPool, ensure_private_dir
+from hiradix.dataplane.layout import KVLayout
+from hiradix.tiers.dram import DramPool
+from hiradix.tiers.files import ensure_private_dir
 from hiradix.tiers.nvme import NVME_FILE_NAME, NvmeStore
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ DRAM and NVMe without crossing the ZMQ socket: only page ids do. The role of SGL
 Security: the KV of other users' prompts lives here, so the directory must be private
 (``0700``, owned by this user, not a symlink) and the file is created ``0600``.
 
-Data movement only; which pages are free is :class:`hiradix.tiers.allocator.PageAllocator`'s.
+Data movement only; which pages are free is :class:`hiradix.core.allocator.PageAllocator`'s.
 """
 
 from __future__ import annotations
@@ -18,35 +18,23 @@ import logging
 import mmap
 import os
 import stat
-import tempfile
 from pathlib import Path
 
 import torch
 
-from hiradix.layout import KVLayout
+from hiradix.dataplane.layout import KVLayout
+from hiradix.tiers.files import default_shm_dir, ensure_private_dir  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
 
 DRAM_FILE_NAME = "dram.kv"
 
 
-def default_shm_dir() -> Path:
-    """Per-process private directory on ``/dev/shm`` (tmpfs), or the temp dir where there is none.
-
-    Returns:
-        ``/dev/shm/hiradix-<uid>-<pid>`` (not created here; :meth:`DramPool.create` does).
-    """
-    base = Path("/dev/shm")
-    if not base.is_dir():
-        base = Path(tempfile.gettempdir())
-    return base / f"hiradix-{os.geteuid()}-{os.getpid()}"
-
-
 def num_pages_for_bytes(dram_bytes: int, layout: KVLayout) -> int:
     """Whole pages that fit in a DRAM budget (rounded down).
 
     Args:
-        dram_bytes: DRAM budget in bytes (e.g. ``--hiradix-dram-gb`` * 2**30).
+        dram_bytes: DRAM budget in bytes (``--hiradix-dram-gb`` x 1e9).
         layout: the page layout (``layout.page_bytes`` per page).
 
     Raises:
@@ -58,33 +46,6 @@ def num_pages_for_bytes(dram_bytes: int, layout: KVLayout) -> int:
             f"DRAM budget {dram_bytes} bytes holds no page of {layout.page_bytes} bytes"
         )
     return num_pages
-
-
-def ensure_private_dir(directory: Path) -> tuple[Path, bool]:
-    """Create ``directory`` with mode 0700 if missing; refuse it if others can reach it.
-
-    Returns:
-        ``(directory, created)``: ``created`` is True when this call made it.
-
-    Raises:
-        PermissionError: it is a symlink, not a directory, owned by another user, or
-            group/world accessible (any bit of ``0o077`` set).
-    """
-    directory = Path(directory)
-    created = False
-    if not os.path.lexists(directory):
-        directory.mkdir(mode=0o700, parents=True)
-        created = True
-    st = os.lstat(directory)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise PermissionError(f"{directory} must be a real directory (not a symlink)")
-    if st.st_uid != os.geteuid():
-        raise PermissionError(f"{directory} is owned by uid {st.st_uid}, not by this user")
-    if st.st_mode & 0o077:
-        raise PermissionError(
-            f"{directory} has mode {stat.S_IMODE(st.st_mode):04o}; it must be private (0700)"
-        )
-    return directory, created
 
 
 class DramPool:

@@ -20,7 +20,7 @@ Two backends implement the block I/O under :class:`NvmeStore`:
 - ``kvikio``: KvikIO's ``CuFile`` (GPUDirect Storage where available, its POSIX compatibility
   mode otherwise); imported lazily, only where ``import kvikio`` works and a CUDA device exists.
 
-Data movement only; which slots are free is :class:`hiradix.tiers.allocator.PageAllocator`'s.
+Data movement only; which slots are free is :class:`hiradix.core.allocator.PageAllocator`'s.
 """
 
 from __future__ import annotations
@@ -31,25 +31,20 @@ import mmap
 import os
 import queue
 import stat
-import struct
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
-import xxhash
 
-from hiradix.tiers.dram import ensure_private_dir
+from hiradix.tiers.checksum import TRAILER, pack_trailer, verify_slot  # noqa: F401 - re-exported
+from hiradix.tiers.files import ensure_private_dir
 
 logger = logging.getLogger(__name__)
 
 SLOT_ALIGN = 4096  # bytes; O_DIRECT offset, length and buffer alignment (>= logical block size)
 NVME_FILE_NAME = "nvme.kv"
-TRAILER_MAGIC = b"HIRADIX\x00"
-FORMAT_VERSION = 1
-# magic (8 s), format version (u32), reserved (u32, 0), payload bytes (u64), slot id (u64), xxh3_64 (u64)
-TRAILER = struct.Struct("<8sIIQQQ")
 BACKENDS = ("auto", "posix", "kvikio")
 COALESCE_BYTES = 4 << 20  # longest single read/write of consecutive slots
 
@@ -62,37 +57,6 @@ def align_up(num_bytes: int, alignment: int = SLOT_ALIGN) -> int:
 def slot_bytes_for(page_bytes: int) -> int:
     """Bytes of one slot holding a ``page_bytes`` payload and its trailer, 4096-aligned."""
     return align_up(page_bytes + TRAILER.size)
-
-
-def pack_trailer(payload: np.ndarray, slot_id: int) -> bytes:
-    """Trailer for ``payload`` (uint8 array) written to ``slot_id``."""
-    digest = xxhash.xxh3_64_intdigest(payload)
-    return TRAILER.pack(TRAILER_MAGIC, FORMAT_VERSION, 0, payload.nbytes, slot_id, digest)
-
-
-def verify_slot(slot: np.ndarray, page_bytes: int, slot_id: int) -> str | None:
-    """Check a slot image read from the file.
-
-    Args:
-        slot: uint8 ``(slot_bytes,)``, the slot as read.
-        page_bytes: the payload length this store expects.
-        slot_id: the slot it was read from.
-
-    Returns:
-        ``None`` if it verifies, else the reason (for the log).
-    """
-    magic, version, _, payload_bytes, stored_slot, digest = TRAILER.unpack_from(slot, page_bytes)
-    if magic != TRAILER_MAGIC:
-        return "bad magic (never written, or overwritten)"
-    if version != FORMAT_VERSION:
-        return f"format version {version} != {FORMAT_VERSION}"
-    if payload_bytes != page_bytes:
-        return f"payload length {payload_bytes} != {page_bytes}"
-    if stored_slot != slot_id:
-        return f"trailer names slot {stored_slot}"
-    if xxhash.xxh3_64_intdigest(slot[:page_bytes]) != digest:
-        return "checksum mismatch"
-    return None
 
 
 @runtime_checkable

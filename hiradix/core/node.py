@@ -1,0 +1,131 @@
+"""The records of the tiered radix tree: tiers, nodes, match results (pure data).
+
+Every node records which tiers hold its KV (CachedAttention, USENIX ATC '24, §3):
+
+* ``hbm_slots``  -- token slot ids in SGLang's device KV pool, shape ``(num_tokens,)``;
+* ``dram_pages`` -- DRAM page ids, one per page;
+* ``nvme_slots`` -- NVMe slot ids, one per page.
+
+The tree (:mod:`hiradix.core.tree`) and the ledger (:mod:`hiradix.core.ledger`) are the only
+writers of these fields.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, Optional
+
+
+class Tier(IntEnum):
+    """Storage tiers, fastest first."""
+
+    HBM = 0
+    DRAM = 1
+    NVME = 2
+
+
+class IntegrityError(AssertionError):
+    """Raised by the ``check_integrity`` methods when an invariant is broken."""
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise :class:`IntegrityError` with ``message`` unless ``ok``."""
+    if not ok:
+        raise IntegrityError(message)
+
+
+@dataclass(slots=True, eq=False)
+class TreeNode:
+    """One edge of the radix tree with the KV records of its tokens.
+
+    Every field is mutated only by :class:`hiradix.core.tree.TieredRadixTree` and
+    :class:`hiradix.core.ledger.TierBooks`.
+    """
+
+    id: int  # from the tree's own counter; stable for the node's lifetime
+    parent: Optional[TreeNode]  # None for the root and for deleted nodes
+    tokens: array  # token ids of this edge, array('q'); len is a multiple of page_size
+    namespace: Optional[tuple]  # (extra_key, cache_salt) or None; same along a path
+    children: dict = field(default_factory=dict)  # first-page key -> TreeNode
+    hbm_slots: Optional[Any] = None  # Shape (num_tokens,) int64 device slot ids, or None
+    dram_pages: Optional[list[int]] = None  # one DRAM page id per page, or None
+    nvme_slots: Optional[list[int]] = None  # one NVMe slot id per page, or None
+    lock_ref: int = 0  # running requests whose prefix passes through here (HBM pin)
+    ops: set = field(default_factory=set)  # ids of in-flight transfers touching this node
+    pinned: list = field(default_factory=lambda: [0, 0, 0])  # per tier: in-flight transfers using that copy
+    last_access_s: float = 0.0  # monotonic seconds of the last match/insert touching it
+    hit_count: int = 0  # times a request other than the inserter reused it
+    dram_from_nvme: bool = False  # the DRAM copy was read from NVMe and not promoted to HBM since
+    waited_for_read: bool = False  # ...and a request waited at admission for that read (an NVMe hit)
+    # hiradix.persistence: hash of the prefix through this node's last page, cached; a split
+    # leaves it on the lower node (same last page) and not on the new upper one.
+    chain_hash: Optional[bytes] = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def alive(self) -> bool:
+        return self.parent is not None
+
+    def ids_in(self, tier: Tier) -> Optional[Any]:
+        """Ids of this node's copy in ``tier``: HBM token slots, DRAM pages or NVMe slots."""
+        if tier == Tier.HBM:
+            return self.hbm_slots
+        return self.dram_pages if tier == Tier.DRAM else self.nvme_slots
+
+    def in_tier(self, tier: Tier) -> bool:
+        return self.ids_in(tier) is not None
+
+    def tiers(self) -> list[Tier]:
+        """The tiers holding this node's KV, fastest first."""
+        out = []
+        if self.hbm_slots is not None:
+            out.append(Tier.HBM)
+        if self.dram_pages is not None:
+            out.append(Tier.DRAM)
+        if self.nvme_slots is not None:
+            out.append(Tier.NVME)
+        return out
+
+    @property
+    def num_tiers(self) -> int:
+        """How many tiers hold this node's KV (0 only for the root)."""
+        return (self.hbm_slots is not None) + (self.dram_pages is not None) + (self.nvme_slots is not None)
+
+    def __repr__(self) -> str:
+        tiers = "".join(t.name[0] for t in self.tiers())
+        return f"TreeNode(id={self.id}, tokens={self.num_tokens}, tiers={tiers}, lock={self.lock_ref}, pinned={self.pinned})"
+
+
+@dataclass(frozen=True, slots=True)
+class TreeMatch:
+    """Result of :meth:`hiradix.core.tree.TieredRadixTree.match`, in tokens.
+
+    ``hbm_len`` tokens are in HBM along the path to ``hbm_node``; the following ``dram_len``
+    tokens are in DRAM (loadable to HBM) up to ``dram_node``; then ``nvme_len`` tokens only on
+    NVMe (to be read into DRAM first) up to ``nvme_node``. ``nodes`` is the matched path.
+    """
+
+    hbm_len: int
+    hbm_node: TreeNode
+    dram_len: int
+    dram_node: TreeNode
+    nvme_len: int
+    nvme_node: TreeNode
+    nodes: tuple[TreeNode, ...]
+    last_node: TreeNode  # deepest matched node (may extend past the match in a peek)
+
+    def stage(self, tier: Tier) -> list[TreeNode]:
+        """Matched nodes served from ``tier``: HBM first, then DRAM, then NVMe."""
+        start = {Tier.HBM: 0, Tier.DRAM: self.hbm_len, Tier.NVME: self.hbm_len + self.dram_len}[tier]
+        end = start + (self.hbm_len, self.dram_len, self.nvme_len)[tier]
+        out, pos = [], 0
+        for node in self.nodes:
+            if start <= pos < end:
+                out.append(node)
+            pos += node.num_tokens
+        return out

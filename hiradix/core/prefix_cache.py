@@ -1,0 +1,243 @@
+"""The prefix cache over the tiered tree: the one copy of its logic, for the server and the simulator.
+
+:class:`TieredPrefixCache` is what SGLang's ``BasePrefixCache`` contract
+(``sglang/srt/mem_cache/base_prefix_cache.py``) asks of a radix cache, in the core's own terms:
+token ids, a namespace, device slot arrays from a :class:`~hiradix.core.ports.DevicePool`.
+The server's seam (:class:`hiradix.sglang_plugin.cache.HiRadixCache`) translates SGLang's
+``RadixKey``/``Req``/``MatchResult`` into these calls; the trace simulator (``bench/simulate.py``)
+makes the same calls over data-less ports, so it proves what the server does.
+
+Lengths are in tokens, whole pages (keys are truncated to whole pages by the tree). Slot arrays
+returned are valid while the node they belong to is locked (or, for freshly allocated ones,
+until handed to :meth:`checkpoint`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Sequence
+
+from hiradix.core.controller import TierController
+from hiradix.core.lookahead import QueueView, plan
+from hiradix.core.node import IntegrityError, Tier, TreeMatch, TreeNode
+from hiradix.core.placement import Placement
+from hiradix.core.ports import DevicePool, Slots
+from hiradix.core.tree import TieredRadixTree
+
+Key = Sequence[int]  # token ids
+Namespace = Optional[tuple]  # (extra_key, cache_salt) or None
+
+
+class TieredPrefixCache:
+    """Match, load back, insert, evict and look ahead over one tree and its lower tiers.
+
+    Args:
+        tree: the tree (its policy decides eviction order).
+        device: the HBM slot pool (SGLang's device allocator, or a stand-in).
+        tiers: the DRAM/NVMe controller, or None (HBM only: stock RadixAttention's behaviour).
+        lookahead_window: ``W``, waiting requests inspected per step (policies that use the queue).
+        load_timeout_s: how long a request waits at admission for its NVMe reads, in seconds.
+        check_every_step: prove the invariants after every step and eviction (slow; tests).
+        on_evict: called with ``(tokens evicted, time.perf_counter() at its start)`` after each
+            HBM eviction (SGLang's ``update_eviction_metrics`` takes these).
+    """
+
+    def __init__(
+        self,
+        tree: TieredRadixTree,
+        device: DevicePool,
+        tiers: Optional[TierController],
+        lookahead_window: int = 64,
+        load_timeout_s: float = 2.0,
+        check_every_step: bool = False,
+        on_evict: Optional[Callable[[int, float], None]] = None,
+    ):
+        self.tree = tree
+        self.device = device
+        self.tiers = tiers
+        self.placement = tiers.placement if tiers is not None else Placement(tree, None)
+        self.lookahead_window = lookahead_window
+        self.load_timeout_s = load_timeout_s
+        self.check_every_step = check_every_step
+        self.on_evict = on_evict
+        self.last_view: Optional[QueueView] = None
+
+    # ------------------------------------------------------------ match
+    def match(self, tokens: Key, namespace: Namespace = None) -> TreeMatch:
+        """Longest cached prefix across tiers; splits and touches (modifies the tree).
+
+        Tokens only on NVMe start a read into DRAM; the request waits for it at admission
+        (:meth:`should_wait`) up to ``load_timeout_s``.
+        """
+        m = self.tree.match(tokens, namespace)
+        if m.nvme_len and self.tiers is not None:
+            self.tiers.prefetch(m.stage(Tier.NVME), self.load_timeout_s)
+        return m
+
+    def should_wait(self, tokens: Key, namespace: Namespace = None) -> bool:
+        """Whether admission should skip this request for now: NVMe reads of its prefix are in
+        flight and within ``load_timeout_s`` (afterwards it runs with what is ready)."""
+        if self.tiers is None or not self.tiers.books.in_flight():
+            return False
+        m = self.tree.match(tokens, namespace, split=False, touch=False)
+        wait = m.nvme_len > 0 and self.tiers.prefetch_pending(m.stage(Tier.NVME), self.load_timeout_s)
+        self.tiers.stats.admission_skips += wait
+        return wait
+
+    def load_back(self, start: TreeNode, end: TreeNode, num_tokens: int) -> tuple[int, int, TreeNode]:
+        """Promote the DRAM nodes below ``start`` down to ``end`` into new HBM slots (all or none).
+
+        Args:
+            start: the last HBM node of the match (locked by the caller).
+            end: the last DRAM node of the match.
+            num_tokens: DRAM tokens the match reported between them.
+
+        Returns:
+            ``(loaded_tokens, waited_tokens, new_last_node)``: ``waited_tokens`` of them were
+            read from NVMe while the request waited (NVMe hits); ``(0, 0, start)`` when the path
+            changed since the match or device memory cannot be found (the request recomputes).
+        """
+        if self.tiers is None or num_tokens <= 0 or end is start or not end.alive:
+            return 0, 0, start
+        nodes = self.tree.path(end)[len(self.tree.path(start)):]
+        ok = bool(nodes) and nodes[0].parent is start
+        ok = ok and all(n.in_tier(Tier.DRAM) and not n.in_tier(Tier.HBM) for n in nodes)
+        if not ok or sum(n.num_tokens for n in nodes) != num_tokens:
+            return 0, 0, start
+        self.tiers.books.hold(nodes, Tier.DRAM)  # eviction for the slots must not drop them
+        try:
+            slots = self.alloc_device(num_tokens)
+        finally:
+            self.tiers.books.release(nodes, Tier.DRAM)
+        if slots is None:
+            return 0, 0, start
+        waited = self.tiers.load_back(nodes, slots)
+        return num_tokens, waited, end
+
+    def start_loading(self) -> int:
+        """Start the promotions queued while building a batch; returns its consumer index (-1: none)."""
+        return -1 if self.tiers is None else self.tiers.start_loading()
+
+    # ------------------------------------------------------------ memory
+    def alloc_device(self, num_tokens: int) -> Optional[Slots]:
+        """Device slots for ``num_tokens`` tokens, evicting in policy order when short; None if it cannot."""
+        short = num_tokens - self.device.available_size()
+        if short > 0:
+            self.evict(short)
+        return self.device.alloc(num_tokens)
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device slots (if evictable); returns tokens freed."""
+        started_s = time.perf_counter()
+        if self.tiers is not None:
+            freed = self.tiers.evict_hbm(num_tokens)
+        else:
+            freed = self.placement.evict_hbm(num_tokens)
+        evicted = 0
+        for slots in freed:
+            self.device.free(slots)
+            evicted += len(slots)
+        if self.on_evict is not None:
+            self.on_evict(evicted, started_s)  # SGLang's eviction metrics take perf_counter()
+        if self.check_every_step:
+            self.check_integrity()
+        return evicted
+
+    # ------------------------------------------------------------ insert / locks
+    def checkpoint(self, tokens: Key, namespace: Namespace, slots: Slots, protected_len: int,
+                   inserted_len: int = 0) -> tuple[int, TreeNode]:
+        """Insert a request's KV: ``tokens`` with their device ``slots`` (shape ``(len(tokens),)``).
+
+        The first ``protected_len`` tokens are the tree's own already (the request's match);
+        slots of the tokens after them that the tree already held are freed (duplicates); the
+        rest now belong to the tree, and write-through backups start.
+
+        Args:
+            inserted_len: tokens of this key the same request inserted before (not hits again).
+
+        Returns:
+            ``(key_len, last_node)``: tokens now in the tree for this key and the node ending
+            them. The caller moves its lock to ``last_node`` and repoints its row onto
+            :meth:`path_slots` of it.
+        """
+        dup_len, last, new_nodes = self.tree.insert(tokens, slots, namespace, inserted_len=inserted_len)
+        if dup_len > protected_len:
+            self.device.free(slots[protected_len:dup_len])
+        if self.tiers is not None:
+            self.tiers.after_insert(new_nodes)
+        key_len = len(tokens) - len(tokens) % self.tree.page_size
+        return key_len, last
+
+    def lock(self, node: TreeNode) -> int:
+        """Pin the path to ``node`` in HBM; returns the change of evictable tokens (<= 0)."""
+        return self.tree.inc_lock(node)
+
+    def unlock(self, node: TreeNode) -> int:
+        """Undo one :meth:`lock`; returns the change of evictable tokens (>= 0)."""
+        return self.tree.dec_lock(node)
+
+    def path_slots(self, node: TreeNode) -> Slots:
+        """Device slots on the path root..``node``, shape ``(tokens,)``; valid while it is locked."""
+        return self.device.concat(self.tree.path_hbm_slots(node))
+
+    @property
+    def evictable_tokens(self) -> int:
+        """Unlocked HBM tokens the tree holds (SGLang's ``evictable_size``)."""
+        return self.tree.hbm_evictable_tokens
+
+    @property
+    def protected_tokens(self) -> int:
+        """Locked HBM tokens the tree holds (SGLang's ``protected_size``)."""
+        return self.tree.hbm_protected_tokens
+
+    # ------------------------------------------------------------ per step
+    def step(self) -> None:
+        """Per scheduler step: reap copies and I/O results, store DRAM-only pages down."""
+        if self.tiers is not None:
+            self.tiers.step()
+        if self.check_every_step:
+            self.check_integrity()
+
+    def observe_queue(self, keys: Sequence[tuple[Key, Namespace]]) -> Optional[QueueView]:
+        """Look ahead over the waiting requests' keys, in queue order (policies that use the queue).
+
+        Hands the policy this step's view (what queued requests need: soft protection) and
+        starts NVMe -> DRAM reads for the requests inside the prefetch window.
+        """
+        policy = self.tree.policy
+        if not policy.uses_queue:
+            return None
+        window = keys[: self.lookahead_window]
+        free_pages = self.tiers.books.dram.num_free if self.tiers is not None else 0
+        view = plan(self.tree, window, self.lookahead_window, free_pages)
+        policy.observe_queue(view)
+        if self.tiers is not None:
+            for nodes in view.prefetch:
+                self.tiers.prefetch(nodes, self.load_timeout_s, ahead=True)
+        self.last_view = view
+        return view
+
+    # ------------------------------------------------------------ lifecycle
+    def reset(self) -> None:
+        """Forget every node and lower-tier copy. The caller resets the device allocator
+        (SGLang's ``flush_cache`` does), so the tree's HBM slots are not freed here."""
+        if self.tiers is not None:
+            self.tiers.reset()
+        self.tree.reset()
+
+    def check_integrity(self, request_tokens: Optional[int] = None, used_tokens: Optional[int] = None) -> None:
+        """Tree + DRAM/NVMe books; with ``used_tokens``, also HBM: used == tree + ``request_tokens``.
+
+        Args:
+            request_tokens: HBM slots owned by requests (not yet, or never, in the tree).
+            used_tokens: device slots handed out, if the device pool can tell.
+
+        Raises:
+            hiradix.core.node.IntegrityError: naming the broken invariant.
+        """
+        (self.tree if self.tiers is None else self.tiers.books).check_integrity()  # books check the tree too
+        if used_tokens is not None:
+            held = self.tree.hbm_evictable_tokens + self.tree.hbm_protected_tokens
+            if used_tokens != held + (request_tokens or 0):
+                raise IntegrityError(f"HBM: {used_tokens} slots used != tree {held} + requests {request_tokens or 0}")
+

@@ -1,0 +1,31 @@
+"""Counters of the DRAM/NVMe tiers since start (pure data; exported by ``hiradix.runtime.metrics``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hiradix.core.ledger import Kind
+
+PREFETCH_OUTCOMES = ("started", "completed", "failed", "used", "wasted")
+
+
+@dataclass
+class TierStats:
+    """Counters since start; units in names.
+
+    Attributes:
+        bytes_moved: per transfer kind, bytes of pages that landed.
+        transfers_failed: per kind, transfers with at least one failed page.
+        prefetch_tokens: NVMe -> DRAM reads, in tokens: started, completed (landed in DRAM),
+            failed, used (promoted to HBM for a request, whether the look-ahead window or a
+            waiting request started the read), wasted (dropped from DRAM before any use; the
+            ledger counts those, ``TierBooks.wasted_prefetch_tokens``).
+        admission_skips: times admission skipped a request waiting for its NVMe reads.
+        restored_pages: NVMe pages re-indexed from the durable index at start.
+    """
+
+    bytes_moved: dict[str, int] = field(default_factory=lambda: {k.name: 0 for k in Kind})
+    transfers_failed: dict[str, int] = field(default_factory=lambda: {k.name: 0 for k in Kind})
+    prefetch_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREFETCH_OUTCOMES, 0))
+    admission_skips: int = 0
+    restored_pages: int = 0

@@ -1,0 +1,563 @@
+"""The tiered radix tree: prefix match, insert, split, lock references, eviction candidates.
+
+Pure bookkeeping: no I/O, no torch, no threads; only token ids and slot/page ids. The node
+records are in :mod:`hiradix.core.node`; the two-phase transfers between tiers and the DRAM/NVMe
+page books in :mod:`hiradix.core.ledger`; which copy leaves which tier in
+:mod:`hiradix.core.placement`. The tree owns the loops over candidates (:meth:`victims`,
+:meth:`plan_evict`); a policy (:mod:`hiradix.core.policy`) only ranks them, as SGLang 0.5.23's
+``mem_cache/evict_policy.py`` ranks the nodes of ``radix_cache.py``.
+
+Keys are whole pages. A child is indexed by its first page (prefixed by the namespace at the
+root). A split at ``n`` tokens makes a new *upper* node holding the first ``n`` tokens (and the
+first ``n / page_size`` pages of every tier's ids); the existing node keeps the rest and moves
+below it, so references to the lower node (locks, in-flight transfers) stay valid.
+
+Invariants (checked by :meth:`TieredRadixTree.check_integrity`):
+
+* keys are page-aligned; a child is indexed by its first page;
+* HBM residency is prefix-closed: a node in HBM has its parent in HBM (or is a root child);
+* every non-root node is held by at least one tier (a node no tier holds is deleted);
+* a node's ``lock_ref`` is at least the sum of its children's (locks propagate to the root);
+* locked nodes are in HBM; HBM evictable + protected == HBM tokens the tree holds;
+* the candidate and sole-copy sets equal a recount.
+
+DRAM/NVMe page ownership (free + held by nodes + reserved == capacity) is checked by
+:meth:`hiradix.core.ledger.TierBooks.check_integrity`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from array import array
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+from hiradix.core.node import IntegrityError, Tier, TreeMatch, TreeNode, require
+from hiradix.core.policy import EvictionPolicy, LRUPolicy
+
+__all__ = ["IntegrityError", "Tier", "TieredRadixTree", "TreeMatch", "TreeNode"]
+
+
+class TieredRadixTree:
+    """A page-granular radix tree whose nodes carry per-tier KV records.
+
+    Args:
+        page_size: tokens per page (>= 1); keys are truncated to whole pages.
+        policy: ranks eviction candidates (see :mod:`hiradix.core.policy`); default LRU.
+        clock: monotonic time source in seconds (injectable for tests).
+
+    Raises:
+        ValueError: ``page_size`` < 1.
+    """
+
+    def __init__(
+        self,
+        page_size: int,
+        policy: Optional[EvictionPolicy] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.policy = policy or LRUPolicy()
+        self.clock = clock
+        self.on_split: Optional[Callable[[TreeNode, TreeNode], None]] = None  # (lower, new upper)
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Drop every node. The caller frees the slots it handed over (see :meth:`all_hbm_slots`)."""
+        self._ids = itertools.count()
+        self.root = TreeNode(id=next(self._ids), parent=None, tokens=array("q"), namespace=None)
+        self.root.lock_ref = 1
+        self.root.hbm_slots = []
+        self.hbm_evictable_tokens = 0  # unlocked tokens the tree holds in HBM
+        self.hbm_protected_tokens = 0  # locked tokens the tree holds in HBM
+        self.tier_tokens = [0, 0, 0]  # tokens held per tier
+        self._candidates: list[set[TreeNode]] = [set(), set(), set()]  # eviction candidates per tier
+        self._sole: list[set[TreeNode]] = [set(), set(), set()]  # nodes held by that tier only
+
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        """Every non-root node, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def all_hbm_slots(self) -> list[Any]:
+        """HBM slot arrays of every node (to free them before :meth:`reset`)."""
+        return [n.hbm_slots for n in self.iter_nodes() if n.hbm_slots is not None]
+
+    def candidates(self, tier: Tier) -> set[TreeNode]:
+        """Nodes whose copy in ``tier`` may be evicted now (read-only view)."""
+        return self._candidates[tier]
+
+    def sole_copies(self, tier: Tier) -> set[TreeNode]:
+        """Nodes whose KV only ``tier`` holds (read-only view)."""
+        return self._sole[tier]
+
+    # ------------------------------------------------------------------ match
+    def match(
+        self,
+        tokens: Sequence[int],
+        namespace: Optional[tuple] = None,
+        *,
+        split: bool = True,
+        touch: bool = True,
+    ) -> TreeMatch:
+        """Find the longest cached prefix of ``tokens`` (truncated to whole pages).
+
+        Args:
+            tokens: token ids, ``array('q')`` or list of int.
+            namespace: keeps prefixes of different LoRA adapters / cache salts apart.
+            split: split a node the match ends inside, so the result ends on a node
+                boundary (modifies the tree); ``False`` gives a read-only peek whose last
+                node may extend past the match.
+            touch: refresh ``last_access_s`` along the matched path.
+
+        Returns:
+            A :class:`TreeMatch`; lengths in tokens, multiples of ``page_size``.
+        """
+        node, pos, nodes = self.root, 0, []
+        limit = len(tokens) - len(tokens) % self.page_size
+        while pos < limit:
+            child = node.children.get(self._child_key(node, tokens, pos, namespace))
+            if child is None:
+                break
+            n = self._common_len(child.tokens, tokens, pos, limit)
+            if n < child.num_tokens:
+                if not split:
+                    nodes.append(child)
+                    pos += n
+                    break
+                child = self._split(child, n)
+            nodes.append(child)
+            pos += child.num_tokens
+            node = child
+        if touch:
+            now = self.clock()
+            for n_ in nodes:
+                n_.last_access_s = now
+        return self._summarize(nodes, pos)
+
+    def _summarize(self, nodes: list[TreeNode], matched: int) -> TreeMatch:
+        lens = [0, 0, 0]
+        ends = [self.root, self.root, self.root]
+        seen, stage = 0, Tier.HBM
+        for node in nodes:
+            n = min(node.num_tokens, matched - seen)
+            seen += n
+            tier = next((t for t in Tier if t >= stage and node.in_tier(t)), None)
+            if tier is None:
+                break
+            stage = tier
+            lens[tier] += n
+            ends[tier] = node
+        ends[Tier.DRAM] = ends[Tier.DRAM] if lens[Tier.DRAM] else ends[Tier.HBM]
+        ends[Tier.NVME] = ends[Tier.NVME] if lens[Tier.NVME] else ends[Tier.DRAM]
+        last = nodes[-1] if nodes else self.root
+        return TreeMatch(lens[0], ends[0], lens[1], ends[1], lens[2], ends[2], tuple(nodes), last)
+
+    def touch(self, tokens: Sequence[int], namespace: Optional[tuple] = None) -> None:
+        """Refresh recency along the cached path of ``tokens`` without splitting."""
+        self.match(tokens, namespace, split=False, touch=True)
+
+    # ----------------------------------------------------------------- insert
+    def insert(
+        self,
+        tokens: Sequence[int],
+        hbm_slots: Any,
+        namespace: Optional[tuple] = None,
+        inserted_len: int = 0,
+    ) -> tuple[int, TreeNode, list[TreeNode]]:
+        """Insert ``tokens`` with their HBM slots; the tree takes ownership of new slots.
+
+        Args:
+            tokens: token ids; truncated to whole pages.
+            hbm_slots: device slot ids, shape ``(>= len(tokens),)`` (tensor or list).
+            namespace: see :meth:`match`.
+            inserted_len: tokens of this key the same request inserted before (they are not
+                counted as hits again).
+
+        Returns:
+            ``(dup_len, last_node, new_hbm_nodes)``: the first ``dup_len`` tokens were already
+            in HBM, so the caller still owns ``hbm_slots[:dup_len]`` and frees them (unless they
+            are the tree's own); the rest now belong to the tree. ``last_node`` ends the path;
+            ``new_hbm_nodes`` are the nodes that took slots (candidates for a DRAM backup).
+        """
+        limit = len(tokens) - len(tokens) % self.page_size
+        now = self.clock()
+        node, pos, dup_len, adopted = self.root, 0, 0, []
+        while pos < limit:
+            key = self._child_key(node, tokens, pos, namespace)
+            child = node.children.get(key)
+            if child is None:
+                child = TreeNode(next(self._ids), node, array("q", tokens[pos:limit]), namespace)
+                node.children[key] = child
+            n = self._common_len(child.tokens, tokens, pos, limit)
+            if n < child.num_tokens:
+                child = self._split(child, n)
+            child.last_access_s = now
+            if pos + n > inserted_len:
+                child.hit_count += 1
+            if child.hbm_slots is None:
+                self.attach(child, Tier.HBM, hbm_slots[pos : pos + n])
+                adopted.append(child)
+            elif pos == dup_len:
+                dup_len += n
+            pos += n
+            node = child
+        return dup_len, node, adopted
+
+    # ------------------------------------------------------- tier records
+    def attach(self, node: TreeNode, tier: Tier, ids: Any) -> None:
+        """Record that ``tier`` now holds ``node``'s KV at ``ids`` (slots or pages)."""
+        assert not node.in_tier(tier), (node, tier)
+        expect = node.num_tokens if tier == Tier.HBM else node.num_tokens // self.page_size
+        assert len(ids) == expect, (node, tier, len(ids))
+        if tier == Tier.HBM:
+            node.hbm_slots = ids
+            if node.lock_ref > 0:
+                self.hbm_protected_tokens += node.num_tokens
+            else:
+                self.hbm_evictable_tokens += node.num_tokens
+        elif tier == Tier.DRAM:
+            node.dram_pages = list(ids)
+        else:
+            node.nvme_slots = list(ids)
+        self.tier_tokens[tier] += node.num_tokens
+        self._refresh_around(node)
+
+    def detach(self, node: TreeNode, tier: Tier) -> Any:
+        """Forget ``node``'s copy in ``tier``; returns its ids for the caller to free.
+
+        A node left with no tier is deleted (it must have no children).
+        """
+        ids = node.ids_in(tier)
+        assert ids is not None, (node, tier)
+        if tier == Tier.HBM:
+            assert node.lock_ref == 0, node
+            node.hbm_slots = None
+            self.hbm_evictable_tokens -= node.num_tokens
+        elif tier == Tier.DRAM:
+            node.dram_pages = None
+            node.dram_from_nvme = node.waited_for_read = False
+        else:
+            node.nvme_slots = None
+        self.tier_tokens[tier] -= node.num_tokens
+        if not node.tiers():
+            self._delete(node)
+        else:
+            self._refresh_around(node)
+        return ids
+
+    def restore(self, parent: TreeNode, tokens: Sequence[int], namespace: Optional[tuple], nvme_slots: Sequence[int]) -> TreeNode:
+        """Add a child of ``parent`` held only on NVMe (re-indexing persisted pages at start).
+
+        Args:
+            parent: the root or a node already in the tree.
+            tokens: the child's token ids, whole pages.
+            namespace: see :meth:`match`.
+            nvme_slots: one NVMe slot per page.
+
+        Raises:
+            ValueError: ``tokens`` is not whole pages, the slot count differs, or ``parent``
+                already has a child starting with this page.
+        """
+        if not tokens or len(tokens) % self.page_size or len(nvme_slots) != len(tokens) // self.page_size:
+            raise ValueError(f"{len(tokens)} tokens / {len(nvme_slots)} slots is not whole pages of {self.page_size}")
+        key = self._child_key(parent, tokens, 0, namespace)
+        if key in parent.children:
+            raise ValueError(f"{parent} already has a child for page {key}")
+        node = TreeNode(next(self._ids), parent, array("q", tokens), namespace)
+        node.last_access_s = self.clock()
+        parent.children[key] = node
+        self.attach(node, Tier.NVME, list(nvme_slots))
+        return node
+
+    def _delete(self, node: TreeNode) -> None:
+        assert not node.children and not node.tiers(), node
+        parent = node.parent
+        del parent.children[self._key_in_parent(node)]
+        for cands in (*self._candidates, *self._sole):
+            cands.discard(node)
+        node.parent = None
+        self._refresh(parent)
+
+    # ------------------------------------------------------------------ split
+    def _split(self, node: TreeNode, n: int) -> TreeNode:
+        """Split ``node`` after ``n`` tokens; returns the new upper node (the prefix)."""
+        assert 0 < n < node.num_tokens and n % self.page_size == 0
+        p = n // self.page_size
+        upper = TreeNode(
+            id=next(self._ids),
+            parent=node.parent,
+            tokens=node.tokens[:n],
+            namespace=node.namespace,
+            lock_ref=node.lock_ref,
+            ops=set(node.ops),
+            pinned=list(node.pinned),
+            last_access_s=node.last_access_s,
+            hit_count=node.hit_count,
+            dram_from_nvme=node.dram_from_nvme,
+            waited_for_read=node.waited_for_read,
+        )
+        if node.hbm_slots is not None:
+            upper.hbm_slots, node.hbm_slots = node.hbm_slots[:n], node.hbm_slots[n:]
+        if node.dram_pages is not None:
+            upper.dram_pages, node.dram_pages = node.dram_pages[:p], node.dram_pages[p:]
+        if node.nvme_slots is not None:
+            upper.nvme_slots, node.nvme_slots = node.nvme_slots[:p], node.nvme_slots[p:]
+        parent_key = self._key_in_parent(node)
+        node.tokens = node.tokens[n:]
+        node.parent = upper
+        upper.children[self._child_key(upper, node.tokens, 0, node.namespace)] = node
+        upper.parent.children[parent_key] = upper
+        if self.on_split is not None:
+            self.on_split(node, upper)
+        self._refresh(upper)
+        self._refresh(node)
+        return upper
+
+    # ------------------------------------------------------------------ locks
+    def inc_lock(self, node: TreeNode) -> int:
+        """Pin the path root..``node`` in HBM for one running request.
+
+        Returns:
+            Change of ``hbm_evictable_tokens`` (<= 0), as SGLang's ``IncLockRefResult.delta``.
+
+        Raises:
+            ValueError: a node on the path is not in HBM.
+        """
+        delta = 0
+        while node is not self.root:
+            if node.hbm_slots is None:
+                raise ValueError(f"cannot lock {node}: not in HBM")
+            if node.lock_ref == 0:
+                self.hbm_evictable_tokens -= node.num_tokens
+                self.hbm_protected_tokens += node.num_tokens
+                delta -= node.num_tokens
+            node.lock_ref += 1
+            self._refresh(node)
+            node = node.parent
+        return delta
+
+    def dec_lock(self, node: TreeNode) -> int:
+        """Undo one :meth:`inc_lock` on ``node``; returns the change of evictable tokens (>= 0).
+
+        Raises:
+            ValueError: a node on the path is not locked (unbalanced release).
+        """
+        delta = 0
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise ValueError(f"unbalanced unlock of {node}")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.hbm_evictable_tokens += node.num_tokens
+                self.hbm_protected_tokens -= node.num_tokens
+                delta += node.num_tokens
+            self._refresh(node)
+            node = node.parent
+        return delta
+
+    # ---------------------------------------------------------------- evict
+    def victims(self, tier: Tier, redundant_only: bool = False) -> Iterator[TreeNode]:
+        """Eviction candidates of ``tier`` in policy order, re-checked lazily.
+
+        The caller detaches (or demotes) each yielded node before asking for the next;
+        a parent that becomes a candidate meanwhile is yielded in its turn.
+        ``redundant_only`` yields only nodes that another tier also holds.
+        """
+        key = self.policy.priority
+        cands = self._candidates[tier]
+        heap = [(key(n, tier), n.id, n) for n in cands if not redundant_only or n.num_tiers > 1]
+        heapq.heapify(heap)
+        while heap:
+            _, _, node = heapq.heappop(heap)
+            if node not in cands or (redundant_only and node.num_tiers < 2):
+                continue
+            parent = node.parent
+            yield node
+            if parent is not None and parent in cands and (not redundant_only or parent.num_tiers > 1):
+                heapq.heappush(heap, (key(parent, tier), parent.id, parent))
+
+    def plan_evict(self, tier: Tier, num_pages: int, allow_sole: bool) -> list[TreeNode]:
+        """Choose copies of ``tier`` (DRAM or NVMe) to drop so ``num_pages`` pages come free.
+
+        Read-only: nothing changes. Policy order within two passes: copies another tier also
+        holds first; then, if ``allow_sole``, last copies, each node after its children in this
+        tier (dropping a last copy deletes the node, which may make its parent a leaf).
+
+        Returns:
+            The nodes, in the order to drop them (children before parents): just enough for
+            ``num_pages`` pages, or every candidate when they hold fewer.
+        """
+        key, ps = self.policy.priority, self.page_size
+        cands = self._candidates[tier]
+        chosen: list[TreeNode] = []
+        freed = 0
+        for node in sorted((n for n in cands if n.num_tiers > 1), key=lambda n: (key(n, tier), n.id)):
+            if freed >= num_pages:
+                return chosen
+            chosen.append(node)
+            freed += node.num_tokens // ps
+        if freed >= num_pages or not allow_sole:
+            return chosen
+        gone: set[TreeNode] = set()
+        heap = [(key(n, tier), n.id, n) for n in cands if n.num_tiers == 1]
+        heapq.heapify(heap)
+        while heap and freed < num_pages:
+            _, _, node = heapq.heappop(heap)
+            chosen.append(node)
+            gone.add(node)
+            freed += node.num_tokens // ps
+            parent = node.parent
+            if (parent is not self.root and parent.tiers() == [tier] and parent.pinned[tier] == 0
+                    and all(c in gone for c in parent.children.values())):
+                heapq.heappush(heap, (key(parent, tier), parent.id, parent))
+        return chosen
+
+    # ------------------------------------------------------------ candidates
+    def _refresh_around(self, node: TreeNode) -> None:
+        self._refresh(node)
+        self._refresh(node.parent)
+
+    def _refresh(self, node: Optional[TreeNode]) -> None:
+        """Recompute in which tiers ``node`` is an eviction candidate."""
+        if node is None or node is self.root or not node.alive:
+            return
+        tiers = node.tiers()
+        for tier in Tier:
+            if self._is_candidate(node, tier):
+                self._candidates[tier].add(node)
+            else:
+                self._candidates[tier].discard(node)
+            if tiers == [tier]:
+                self._sole[tier].add(node)
+            else:
+                self._sole[tier].discard(node)
+
+    def _is_candidate(self, node: TreeNode, tier: Tier) -> bool:
+        if not node.in_tier(tier) or node.pinned[tier] > 0:
+            return False
+        if tier == Tier.HBM:
+            # The evictor backs a last HBM copy up to DRAM first (or drops the subtree below).
+            return node.lock_ref == 0 and not any(c.hbm_slots is not None for c in node.children.values())
+        # Dropping the last copy of a node with children would orphan them.
+        return node.num_tiers > 1 or not node.children
+
+    def refresh(self, node: TreeNode) -> None:
+        """Re-evaluate ``node`` after a pin change (used by :mod:`hiradix.core.ledger`)."""
+        self._refresh(node)
+
+    # ---------------------------------------------------------------- paths
+    def path(self, node: TreeNode) -> list[TreeNode]:
+        """Nodes from the root's child down to ``node``."""
+        out = []
+        while node is not self.root:
+            out.append(node)
+            node = node.parent
+        out.reverse()
+        return out
+
+    def path_hbm_slots(self, node: TreeNode) -> list[Any]:
+        """HBM slot arrays along the path to ``node`` (concatenate for the prefix's slots).
+
+        Raises:
+            ValueError: a node on the path is not in HBM.
+        """
+        out = []
+        for n in self.path(node):
+            if n.hbm_slots is None:
+                raise ValueError(f"{n} on the path is not in HBM")
+            out.append(n.hbm_slots)
+        return out
+
+    # ---------------------------------------------------------------- keys
+    def _child_key(self, parent: TreeNode, tokens, pos: int, namespace) -> tuple:
+        page = tuple(tokens[pos : pos + self.page_size])
+        if parent is self.root and namespace is not None:
+            return (namespace, page)
+        return page
+
+    def _key_in_parent(self, node: TreeNode) -> tuple:
+        return self._child_key(node.parent, node.tokens, 0, node.namespace)
+
+    def _common_len(self, edge: array, tokens, pos: int, limit: int) -> int:
+        """Tokens (whole pages) shared by ``edge`` and ``tokens[pos:limit]``."""
+        n = min(len(edge), limit - pos)
+        other = array("q", tokens[pos : pos + n])
+        if edge[:n] == other:
+            return n
+        ps = self.page_size
+        lo, hi = 0, n // ps  # in pages: [0, lo) known equal; page hi-1 or earlier differs
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if edge[lo * ps : mid * ps] == other[lo * ps : mid * ps]:
+                lo = mid
+            else:
+                hi = mid
+        if lo < n // ps and edge[lo * ps : (lo + 1) * ps] == other[lo * ps : (lo + 1) * ps]:
+            lo += 1
+        return lo * ps
+
+    # ------------------------------------------------------------- integrity
+    def check_integrity(self) -> None:
+        """Verify the structural and HBM invariants in the module docstring.
+
+        DRAM/NVMe page ownership against their allocators is checked by
+        :meth:`hiradix.core.ledger.TierBooks.check_integrity`.
+
+        Raises:
+            IntegrityError: naming the first broken invariant.
+        """
+        evictable = protected = 0
+        tier_tokens = [0, 0, 0]
+        seen_slots: set[int] = set()
+        cands: list[set] = [set(), set(), set()]
+        sole: list[set] = [set(), set(), set()]
+        for node in self.iter_nodes():
+            self._check_node(node, seen_slots)
+            tiers = node.tiers()
+            if len(tiers) == 1:
+                sole[tiers[0]].add(node)
+            for tier in tiers:
+                tier_tokens[tier] += node.num_tokens
+                if self._is_candidate(node, tier):
+                    cands[tier].add(node)
+            if node.hbm_slots is not None:
+                if node.lock_ref > 0:
+                    protected += node.num_tokens
+                else:
+                    evictable += node.num_tokens
+        require(evictable == self.hbm_evictable_tokens, f"HBM evictable {self.hbm_evictable_tokens} != recount {evictable}")
+        require(protected == self.hbm_protected_tokens, f"HBM protected {self.hbm_protected_tokens} != recount {protected}")
+        require(tier_tokens == self.tier_tokens, f"tier tokens {self.tier_tokens} != recount {tier_tokens}")
+        for tier in Tier:
+            extra, missing = self._candidates[tier] - cands[tier], cands[tier] - self._candidates[tier]
+            require(not extra and not missing, f"{tier.name} candidates differ: extra={extra} missing={missing}")
+            require(sole[tier] == self._sole[tier], f"{tier.name} sole-copy set differs")
+
+    def _check_node(self, node: TreeNode, seen_slots: set[int]) -> None:
+        ps, parent = self.page_size, node.parent
+        require(parent is not None and parent.children.get(self._key_in_parent(node)) is node, f"{node} not indexed by its parent")
+        require(node.num_tokens > 0 and node.num_tokens % ps == 0, f"{node} key not page-aligned")
+        require(bool(node.tiers()), f"{node} is held by no tier")
+        require(node.namespace == parent.namespace or parent is self.root, f"{node} namespace differs from parent")
+        child_locks = sum(c.lock_ref for c in node.children.values())
+        require(node.lock_ref >= child_locks, f"{node} lock_ref {node.lock_ref} < children's {child_locks}")
+        if node.lock_ref > 0:
+            require(node.hbm_slots is not None, f"{node} locked but not in HBM")
+        if node.hbm_slots is not None:
+            require(parent is self.root or parent.hbm_slots is not None, f"{node} in HBM but parent {parent} is not")
+            require(len(node.hbm_slots) == node.num_tokens, f"{node} has {len(node.hbm_slots)} HBM slots")
+            slots = node.hbm_slots.tolist() if hasattr(node.hbm_slots, "tolist") else list(node.hbm_slots)
+            before = len(seen_slots)
+            seen_slots.update(slots)
+            require(len(seen_slots) - before == len(slots), f"{node} shares an HBM slot with another node")
+        for pages in (node.dram_pages, node.nvme_slots):
+            if pages is not None:
+                require(len(pages) == node.num_tokens // ps, f"{node} has {len(pages)} pages for {node.num_tokens} tokens")

@@ -1,0 +1,89 @@
+"""The fingerprint of everything that makes persisted KV reusable by this server.
+
+KV bytes are only valid for the exact model weights, KV layout and tensor-parallel shard that
+wrote them. :func:`kv_fingerprint` names all of it as a flat ``str -> str`` dict, stored in the
+NVMe index header (:mod:`hiradix.persistence.index`); any difference after a restart means the
+slots are not reused.
+
+The model's identity (:func:`model_identity`) is a content hash, not a path: a fine-tune with
+the same architecture in the same directory must not match. Hashing every weight byte of a
+large model at each start would take minutes, so it hashes ``config.json`` in full and, for
+every weight file, its name, size and 18 samples of 64 KiB (first and last MiB plus 16 evenly
+spaced), which differ for any retrained or re-quantised checkpoint. A hub id (no local
+directory) is identified by id and revision.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import xxhash
+
+import hiradix
+from hiradix.dataplane.layout import KVLayout
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+SAMPLE_BYTES = 64 * 1024
+EDGE_BYTES = 1024 * 1024
+NUM_SAMPLES = 16
+
+
+def _hash_weight_file(h: xxhash.xxh3_128, path: Path) -> None:
+    size = path.stat().st_size
+    h.update(f"{path.name}:{size}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(EDGE_BYTES))
+        for i in range(NUM_SAMPLES):
+            f.seek(size * (i + 1) // (NUM_SAMPLES + 1))
+            h.update(f.read(SAMPLE_BYTES))
+        f.seek(max(0, size - EDGE_BYTES))
+        h.update(f.read(EDGE_BYTES))
+
+
+def model_identity(model_path: str, revision: Optional[str] = None) -> str:
+    """A content hash of a local model directory (hex), or ``hub:<id>@<revision>``.
+
+    Raises:
+        OSError: a file of the directory cannot be read.
+    """
+    root = Path(model_path)
+    if not root.is_dir():
+        return f"hub:{model_path}@{revision or 'default'}"
+    h = xxhash.xxh3_128()
+    config = root / "config.json"
+    if config.is_file():
+        h.update(config.read_bytes())
+    for path in sorted(p for p in root.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()):
+        _hash_weight_file(h, path)
+    return h.hexdigest()
+
+
+def kv_fingerprint(
+    model_id: str, model_dtype: str, layout: KVLayout, tp_rank: int, tp_size: int, slot_bytes: int
+) -> dict[str, str]:
+    """Everything persisted KV depends on, as strings.
+
+    Args:
+        model_id: :func:`model_identity` of the served model.
+        model_dtype: SGLang's ``--dtype`` after resolution (activations change KV values).
+        layout: the KV layout of this rank's pages (layers, page size, KV heads, head dim, dtype).
+        tp_rank, tp_size: this rank's tensor-parallel shard.
+        slot_bytes: bytes per NVMe slot (payload + trailer + padding).
+    """
+    return {
+        "model": model_id,
+        "model_dtype": str(model_dtype),
+        "kv_dtype": str(layout.dtype),
+        "page_size": str(layout.page_size),
+        "num_layers": str(layout.num_layers),
+        "num_kv_heads": str(layout.num_kv_heads),
+        "head_dim": str(layout.head_dim),
+        "page_major": str(layout.page_major),
+        "tp_rank": str(tp_rank),
+        "tp_size": str(tp_size),
+        "slot_bytes": str(slot_bytes),
+        "hiradix_version": hiradix.__version__,
+        "byte_order": sys.byteorder,
+    }

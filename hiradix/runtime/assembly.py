@@ -1,0 +1,138 @@
+"""Assembly of one scheduler process's tiers: media, I/O worker, movers, locks, rank agreement.
+
+:func:`build_tiers` makes the real :class:`hiradix.core.controller.TierController` of one TP
+rank: an anonymous shared-memory DRAM pool, an NVMe slot file served by a spawned I/O worker
+(with its durable index, re-indexed into the tree at start), the in-process host mover and the
+layer-wise loader, and the TP agreement over SGLang's CPU group. Process-level setup happens
+here and only here: removing socket directories of dead schedulers, locking the NVMe
+directory against a second server, spawning the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from hiradix.core.controller import TierController
+from hiradix.core.ledger import TierBooks
+from hiradix.core.tree import TieredRadixTree
+from hiradix.dataplane.layerwise import LayerwiseLoader
+from hiradix.dataplane.layout import KVLayout
+from hiradix.dataplane.movers import HostMover
+from hiradix.io.client import IOWorkerClient
+from hiradix.io.protocol import WorkerSpec
+from hiradix.persistence.fingerprint import kv_fingerprint
+from hiradix.persistence.index import INDEX_FILE_NAME, NvmeIndex
+from hiradix.persistence.journal import IndexJournal, restore
+from hiradix.runtime.rank_sync import RankSync
+from hiradix.tiers.dram import DramPool, num_pages_for_bytes
+from hiradix.tiers.files import default_shm_dir, ensure_private_dir, lock_dir, remove_stale_dirs
+from hiradix.tiers.nvme import NVME_FILE_NAME, NvmeStore, slot_bytes_for
+
+logger = logging.getLogger(__name__)
+
+
+def start_worker(dram: DramPool, nvme_dir: Path, nvme_slots: int, shm_dir: Path, io_backend: str,
+                 keep: bool = False) -> IOWorkerClient:
+    """Create (``keep``: reuse) the NVMe slot file and spawn this rank's I/O worker over it.
+
+    Raises:
+        OSError: the slot file cannot be created.
+        hiradix.io.client.WorkerStartError: the worker did not start.
+    """
+    store = NvmeStore.create(nvme_dir, dram.layout.page_bytes, nvme_slots, backend=io_backend, keep=keep)
+    backend = store.backend
+    store.close()  # the worker owns NVMe I/O; this process only created the file
+    spec = WorkerSpec(
+        dram_path=str(dram.path),
+        layout=dram.layout.to_json(),
+        num_dram_pages=dram.num_pages,
+        nvme_dir=str(nvme_dir),
+        num_nvme_slots=nvme_slots,
+        page_bytes=dram.layout.page_bytes,
+        io_backend=backend,
+        socket_dir=str(shm_dir / "sock"),
+        parent_pid=os.getpid(),
+    )
+    client = IOWorkerClient(spec)
+    client.start()
+    return client
+
+
+def _open_index(nvme_dir: Path, identity: dict, layout: KVLayout, tp_rank: int, nvme_slots: int,
+                page_size: int) -> tuple[NvmeIndex, list]:
+    """The durable index of this rank's NVMe directory and its persisted pages."""
+    fingerprint = kv_fingerprint(identity["model_id"], identity["model_dtype"], layout, tp_rank,
+                                 identity["tp_size"], slot_bytes_for(layout.page_bytes))
+    if not (nvme_dir / NVME_FILE_NAME).exists() and (nvme_dir / INDEX_FILE_NAME).exists():
+        logger.warning("hiradix: %s has an NVMe index but no slot file; starting empty", nvme_dir)
+        (nvme_dir / INDEX_FILE_NAME).unlink()
+    return NvmeIndex.open(nvme_dir, fingerprint, nvme_slots, page_size)
+
+
+def build_tiers(
+    tree: TieredRadixTree,
+    config: Any,
+    kv_pool: Any,
+    page_size: int,
+    tp_rank: int = 0,
+    io_backend: str = "auto",
+    tp_group: Optional[Any] = None,
+    identity: Optional[dict] = None,
+    counter_factory: Optional[Callable[[int], Any]] = None,
+) -> tuple[TierController, LayerwiseLoader]:
+    """The real tiers of one scheduler process, and the layer-wise loader to register.
+
+    Args:
+        tree: the tree whose nodes move.
+        config: hiradix settings (``dram_bytes``, ``nvme_path``, ``nvme_bytes``, ``write_policy``).
+        kv_pool: SGLang's device ``MHATokenToKVPool`` of this rank.
+        page_size: tokens per page.
+        tp_rank: this rank (names the private directories).
+        io_backend: NVMe backend for the worker ("auto", "posix", "kvikio").
+        tp_group: TP CPU process group (None for one rank); completions are agreed over it.
+        identity: ``model_id``, ``model_dtype`` and ``tp_size`` for the NVMe index's
+            fingerprint (:mod:`hiradix.persistence.fingerprint`); None: the NVMe tier starts
+            empty and is not persisted.
+        counter_factory: CUDA only: SGLang's ``LayerDoneCounter`` (see ``LayerwiseLoader``).
+
+    Raises:
+        OSError, PermissionError: a tier's files cannot be created.
+        RuntimeError: another server holds this NVMe directory.
+        hiradix.io.client.WorkerStartError: the I/O worker did not start.
+    """
+    layout = KVLayout.from_device_pool(kv_pool, page_size)
+    shm_dir = Path(f"{default_shm_dir()}-rank{tp_rank}")
+    remove_stale_dirs(shm_dir)
+    ensure_private_dir(shm_dir)  # 0700: it holds the worker's socket directory
+    dram_pages = num_pages_for_bytes(config.dram_bytes, layout)
+    dram = DramPool.create_anonymous(layout, dram_pages)
+    client, nvme_slots, lock_fd, index, pages = None, 0, -1, None, []
+    if config.nvme_bytes > 0:
+        nvme_slots = config.nvme_bytes // slot_bytes_for(layout.page_bytes)
+        nvme_dir = Path(config.nvme_path) / f"hiradix-rank{tp_rank}"
+        lock_fd = lock_dir(nvme_dir)  # also makes it private (0700)
+        if identity is not None:
+            index, pages = _open_index(nvme_dir, identity, layout, tp_rank, nvme_slots, page_size)
+        client = start_worker(dram, nvme_dir, nvme_slots, shm_dir, io_backend, keep=index is not None and index.reused)
+    books = TierBooks(tree, dram_pages, nvme_slots)
+    loader = LayerwiseLoader(layout.num_layers, kv_pool.k_buffer[0].device, counter_factory)
+    mover = HostMover(kv_pool, dram, loader)
+    multi_rank = tp_group is not None and torch.distributed.get_world_size(tp_group) > 1
+    journal = IndexJournal(index, tree) if index is not None else None
+    tiers = TierController(tree, books, mover, client, layout.page_bytes, config.write_policy == "write_through",
+                           sync=RankSync(tp_group) if multi_rank else None, journal=journal)
+    tiers.on_close(dram.close)
+    tiers.on_close(lambda: shutil.rmtree(shm_dir, ignore_errors=True))
+    if index is not None:
+        tiers.stats.restored_pages = restore(tree, books, pages)
+        tiers.on_close(index.close)
+    if lock_fd >= 0:
+        tiers.on_close(lambda: os.close(lock_fd))
+    logger.info("hiradix tiers: DRAM %d pages (%d B each) at %s; NVMe %d slots", dram_pages, layout.page_bytes, dram.path, nvme_slots)
+    return tiers, loader

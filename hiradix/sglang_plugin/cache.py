@@ -1,0 +1,328 @@
+"""SGLang's prefix-cache contract over the core's tiered prefix cache: a translation, no logic.
+
+:class:`HiRadixCache` implements ``BasePrefixCache`` of SGLang 0.5.23
+(``sglang/srt/mem_cache/base_prefix_cache.py``; the legacy ``radix_cache.py`` shows the
+contract) by translating SGLang's objects (``RadixKey``, ``Req``, ``MatchResult``, lock
+receipts, the device allocator) into calls on :class:`hiradix.core.prefix_cache.TieredPrefixCache`,
+which sees token ids, a namespace and slot tensors only; the trace simulator drives that same
+object. SGLang's names (``match_prefix``, ``inc_lock_ref``, ...) stay at this seam.
+
+It is selected with ``--enable-hiradix`` through SGLang's radix-cache backend registry
+(``register_radix_cache_backend("hiradix", ...)``, :mod:`hiradix.sglang_plugin.plugin`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    BasePrefixCache,
+    DecLockRefParams,
+    DecLockRefResult,
+    EvictParams,
+    EvictResult,
+    IncLockRefResult,
+    InitLoadBackParams,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from hiradix.core.lookahead import QueueView
+from hiradix.core.policy import make_policy
+from hiradix.core.prefix_cache import TieredPrefixCache
+from hiradix.core.tree import TieredRadixTree, TreeNode
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+
+    from hiradix.config import HiRadixConfig
+
+logger = logging.getLogger(__name__)
+
+CHECK_INTEGRITY_ENV = "HIRADIX_CHECK_INTEGRITY"  # "1": prove the invariants after every step (slow)
+
+
+def namespace_of(key: RadixKey) -> Optional[tuple]:
+    """Tree namespace of a key: LoRA adapter (``extra_key``) and ``cache_salt``."""
+    if key.extra_key is None and key.cache_salt is None:
+        return None
+    return (key.extra_key, key.cache_salt)
+
+
+def request_key(req: Req, page_size: int) -> tuple[Sequence[int], Optional[tuple]]:
+    """``(token ids, namespace)`` of a request's whole pages (prompt + output so far)."""
+    key = RadixKey(req.origin_input_ids + req.output_ids, req.extra_key, cache_salt=req.cache_salt)
+    key = key.page_aligned(page_size)
+    return key.raw_token_ids(), namespace_of(key)
+
+
+class SGLangDevicePool:
+    """SGLang's paged device allocator as the core's :class:`~hiradix.core.ports.DevicePool`.
+
+    Args:
+        allocator: SGLang's ``token_to_kv_pool_allocator`` (page-granular).
+        device: its device (slot tensors live there).
+    """
+
+    def __init__(self, allocator: Any, device: torch.device):
+        self.allocator = allocator
+        self._empty = torch.empty((0,), dtype=torch.int64, device=device)
+
+    def available_size(self) -> int:
+        return self.allocator.available_size()
+
+    def alloc(self, num_tokens: int) -> Optional[torch.Tensor]:
+        return self.allocator.alloc(num_tokens)
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.allocator.free_segment(slots, start_pos=0)  # whole pages: start_pos only asserts alignment
+
+    def concat(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(list(parts)) if parts else self._empty
+
+
+class HiRadixCache(BasePrefixCache):
+    """Prefix cache whose radix-tree nodes record their tier (HBM, DRAM, NVMe).
+
+    Args:
+        params: SGLang's ``CacheInitParams`` (pools, allocator, ``page_size`` in tokens).
+        config: validated hiradix settings (tier sizes in bytes, policy, write policy).
+        kv_pool: SGLang's device KV pool; None builds the tree without lower tiers (tests).
+        tp_rank: this scheduler's tensor-parallel rank.
+        identity: model identity for the NVMe index fingerprint (see
+            :func:`hiradix.runtime.assembly.build_tiers`); None: the NVMe tier is not persisted.
+        counter_factory: SGLang's ``LayerDoneCounter`` for CUDA layer-wise loads.
+
+    Raises:
+        ValueError: unknown policy name in ``config``.
+    """
+
+    def __init__(self, params: CacheInitParams, config: HiRadixConfig, kv_pool: Any = None, tp_rank: int = 0,
+                 identity: Optional[dict] = None, counter_factory: Any = None):
+        self.disable = False
+        self.config = config
+        self.req_to_token_pool = params.req_to_token_pool
+        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
+        self.page_size = params.page_size
+        dev = getattr(self.token_to_kv_pool_allocator, "device", "cpu")
+        self.device = torch.device(dev) if isinstance(dev, (str, torch.device)) else torch.device("cpu")
+        self.tree = TieredRadixTree(self.page_size, make_policy(config.policy))
+        self.tiers, self.loader = None, None
+        if kv_pool is not None:
+            from hiradix.runtime.assembly import build_tiers
+
+            # TP ranks agree on asynchronous completions over SGLang's CPU group (runtime.rank_sync).
+            self.tiers, self.loader = build_tiers(
+                self.tree, config, kv_pool, self.page_size, tp_rank, tp_group=params.tp_cache_group,
+                identity=identity, counter_factory=counter_factory,
+            )
+        self.core = TieredPrefixCache(
+            self.tree, SGLangDevicePool(self.token_to_kv_pool_allocator, self.device), self.tiers,
+            lookahead_window=config.lookahead_window, load_timeout_s=config.load_timeout_s,
+            check_every_step=os.environ.get(CHECK_INTEGRITY_ENV, "0") == "1",
+            on_evict=self.update_eviction_metrics,
+        )
+        self.tier_metrics = None
+        if params.enable_metrics:
+            self.init_metrics_collector()
+            if self.tiers is not None:
+                from hiradix.runtime.metrics import TierMetrics
+
+                self.tier_metrics = TierMetrics({"tp_rank": str(tp_rank)})
+        logger.info("hiradix: HiRadixCache in use (page_size=%d tokens, policy=%s, write_policy=%s)",
+                    self.page_size, config.policy, config.write_policy)
+
+    @property
+    def last_view(self) -> Optional[QueueView]:
+        return self.core.last_view
+
+    # ------------------------------------------------------------ contract
+    @property
+    def root_node(self) -> TreeNode:
+        return self.tree.root
+
+    def is_root(self, node: Any) -> bool:
+        return node is self.tree.root
+
+    def reset(self) -> None:
+        """Forget every node (SGLang's ``flush_cache`` resets the device allocator itself)."""
+        self.core.reset()
+
+    def release_host_resources(self) -> None:
+        """Stop the I/O worker and remove the shared-memory files (graceful shutdown)."""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
+            self.core.tiers = None
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        """Longest cached prefix of ``params.key``, in tokens (whole pages), across tiers.
+
+        Splits the node the match ends in and refreshes recency (modifies the tree).
+        ``device_prefix_len`` counts tokens in HBM (their slots lie on the path to
+        ``last_device_node``, valid while it is locked); ``host_hit_length`` counts the
+        following tokens in DRAM, loadable by :meth:`init_load_back` up to
+        ``best_match_node``. Tokens only on NVMe start a read into DRAM (prefetch); the
+        request waits for it at admission (:meth:`should_wait`) up to the load timeout.
+        """
+        key = params.key.page_aligned(self.page_size)
+        if len(key) == 0:
+            root = self.tree.root
+            return MatchResult(0, root, root, root)
+        m = self.core.match(key.raw_token_ids(), namespace_of(key))
+        return MatchResult(
+            device_prefix_len=m.hbm_len,
+            last_device_node=m.hbm_node,
+            last_host_node=m.hbm_node,
+            best_match_node=m.dram_node,
+            host_hit_length=m.dram_len,
+            full_kv_hit_length=m.hbm_len + m.dram_len,
+        )
+
+    def should_wait(self, req: Req) -> bool:
+        """Whether admission should skip ``req`` for now (its NVMe reads are in flight)."""
+        return self.core.should_wait(*request_key(req, self.page_size))
+
+    def init_load_back(self, params: InitLoadBackParams) -> Optional[tuple[int, Any]]:
+        """Promote the DRAM part of a match into new HBM slots (layer by layer, all or none).
+
+        Returns:
+            ``(loaded_tokens, new_last_node)``; ``(0, req.last_node)`` when the path changed
+            since the match or device memory cannot be found (the request recomputes).
+        """
+        req = params.req
+        loaded, waited, node = self.core.load_back(req.last_node, params.best_match_node, params.host_hit_length)
+        if loaded:
+            req.storage_hit_length = waited
+            req.storage_hit_start = None
+        return loaded, node
+
+    def ready_to_load_host_cache(self) -> int:
+        """Start the promotions queued while building this batch; returns its consumer index."""
+        return self.core.start_loading()
+
+    def check_hicache_events(self) -> None:
+        """Per scheduler step: reap finished copies and worker acks, keep DRAM headroom."""
+        self.core.step()
+        if self.tier_metrics is not None and self.tiers is not None:
+            self.tier_metrics.update(self.tiers.stats, self.tiers.books, self.tree.tier_tokens, self.core.last_view)
+
+    def observe_queue(self, waiting_queue: list) -> Optional[QueueView]:
+        """Look-ahead over the first W waiting requests (policies that use the queue)."""
+        if not self.tree.policy.uses_queue:
+            return None
+        window = waiting_queue[: self.config.lookahead_window]
+        return self.core.observe_queue([request_key(req, self.page_size) for req in window])
+
+    def touch_prefix(self, key: RadixKey) -> None:
+        key = key.page_aligned(self.page_size)
+        if len(key):
+            self.tree.touch(key.raw_token_ids(), namespace_of(key))
+
+    def checkpoint(self, req: Req, *, up_to: int, **kwargs) -> None:
+        """Insert ``req``'s KV up to row position ``up_to`` (whole pages) into the tree.
+
+        Frees the request's duplicate slots of tokens the tree already held in HBM, repoints
+        the request's row onto the tree's slots, moves the request's lock to the new last
+        node and advances ``req.kv.cache_protected_len``.
+        """
+        token_ids = req.full_untruncated_fill_ids[:up_to]
+        key = RadixKey(token_ids, req.extra_key, cache_salt=req.cache_salt).page_aligned(self.page_size)
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(token_ids)]
+        slots = row[: len(key)].to(dtype=torch.int64, copy=True)
+        protected = req.kv.cache_protected_len
+        key_len, last = self.core.checkpoint(key.raw_token_ids(), namespace_of(key), slots, protected,
+                                             inserted_len=req.kv.cache_inserted_len)
+        req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, key_len)
+        tree_slots = self.path_device_indices(last)
+        assert len(tree_slots) == key_len, (len(tree_slots), key_len)
+        if key_len > protected:
+            self.req_to_token_pool.write((req.kv.req_pool_idx, slice(protected, key_len)), tree_slots[protected:])
+        req.kv.cache_protected_len = key_len
+        new_lock = self.lock(last)
+        self.unlock(req.lock)
+        req.lock = new_lock
+        req.last_node = last
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        """Free at least ``params.num_tokens`` device slots (if evictable), in policy order."""
+        return EvictResult(num_tokens_evicted=self.core.evict(params.num_tokens))
+
+    def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:
+        return IncLockRefResult(delta=self.core.lock(node))
+
+    def dec_lock_ref(self, node: TreeNode, params: Optional[DecLockRefParams] = None) -> DecLockRefResult:
+        return DecLockRefResult(delta=self.core.unlock(node))
+
+    def path_device_indices(self, node: TreeNode) -> torch.Tensor:
+        """Device slot ids on the path root..``node``. Shape ``(tokens,)``, int64."""
+        return self.core.path_slots(node)
+
+    # ---------------------------------------------------------- accounting
+    def evictable_size(self) -> int:
+        return self.core.evictable_tokens
+
+    def full_evictable_size(self) -> int:
+        return self.core.evictable_tokens
+
+    def protected_size(self) -> int:
+        return self.core.protected_tokens
+
+    def full_protected_size(self) -> int:
+        return self.core.protected_tokens
+
+    def total_size(self) -> int:
+        return self.core.evictable_tokens + self.core.protected_tokens
+
+    def all_values_flatten(self) -> torch.Tensor:
+        return self.core.device.concat(self.tree.all_hbm_slots())
+
+    def supports_prefix_sharing(self) -> bool:
+        return True
+
+    def pretty_print(self) -> None:
+        for node in self.tree.iter_nodes():
+            depth = len(self.tree.path(node))
+            print("  " * depth, node, list(node.tokens[:8]))
+        print(f"#tokens in HBM: {self.total_size()}")
+
+    def check_integrity(self) -> None:
+        """Tree invariants, plus DRAM/NVMe page ownership when the lower tiers are on.
+
+        Raises:
+            hiradix.core.node.IntegrityError: naming the broken invariant.
+        """
+        self.core.check_integrity()
+
+
+def create_hiradix_cache(ctx: TreeCacheBuildContext) -> HiRadixCache:
+    """Factory registered with SGLang's radix-cache backend registry under ``hiradix``.
+
+    Raises:
+        RuntimeError: the hiradix config did not reach this process.
+    """
+    from sglang.srt.managers.cache_controller import LayerDoneCounter
+
+    from hiradix.sglang_plugin.plugin import config_from_server_args
+
+    config = config_from_server_args(ctx.server_args)
+    kv_pool = ctx.tp_worker.model_runner.token_to_kv_pool
+    identity = None
+    if config.nvme_bytes > 0:
+        from hiradix.persistence.fingerprint import model_identity
+
+        args = ctx.server_args
+        identity = {"model_id": model_identity(args.model_path, getattr(args, "revision", None)),
+                    "model_dtype": str(ctx.model_config.dtype), "tp_size": ctx.tp_size}
+    cache = HiRadixCache(ctx.params, config, kv_pool=kv_pool, tp_rank=ctx.tp_rank, identity=identity,
+                         counter_factory=LayerDoneCounter)
+    if cache.loader is not None:
+        kv_pool.register_layer_transfer_counter(cache.loader)
+        ctx.tp_worker.register_hicache_layer_transfer_counter(cache.loader)
+    return cache

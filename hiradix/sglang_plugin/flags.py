@@ -1,0 +1,187 @@
+"""The hiradix flags in SGLang's command line: the `ServerArgs` hooks (every process, CLI scope).
+
+`after_add_cli_args` adds `--enable-hiradix` and the value flags of `hiradix.config.FLAGS` to
+SGLang's parser. Only when `--enable-hiradix` is given, `after_from_cli_args` validates them
+into a `HiRadixConfig`, refuses configurations hiradix cannot serve
+(`hiradix.sglang_plugin.refusals`), selects `--radix-cache-backend hiradix`, defaults
+`--page-size` to 16, stashes the config as `server_args._hiradix_config` (bookkeeping
+attributes ride the pickled record to the spawned schedulers) and exports it as
+`HIRADIX_CONFIG` (JSON fallback); `after_resolve_once` re-checks what SGLang's own resolution
+decided. Without `--enable-hiradix` they change nothing, except refusing a `--hiradix-*` flag
+given on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any
+
+from hiradix.config import ENV_VAR, FLAGS, VALUE_FLAGS, HiRadixConfig, HiRadixConfigError, check_machine
+from hiradix.sglang_plugin import hooks
+from hiradix.sglang_plugin.model_check import read_hf_config, unsupported_model_config_reason, unsupported_model_reason
+from hiradix.sglang_plugin.refusals import BACKEND_NAME, first_conflict, refuse, refuse_tiers_below_one_page
+
+logger = logging.getLogger(__name__)
+
+CONFIG_ATTR = "_hiradix_config"  # bookkeeping attribute on ServerArgs
+_CHECKED_ATTR = "_hiradix_resolution_checked"  # set once the resolved record passed
+ADD_CLI_ARGS_TARGET = "sglang.srt.server_args.ServerArgs.add_cli_args"
+DEFAULT_PAGE_SIZE_TOKENS = 16  # hiradix moves KV in pages; SGLang's default is 1
+
+
+class _EnableHiRadixAction(argparse._StoreTrueAction):
+    """`--enable-hiradix`: store-true (also for `--config` YAML files, which look
+    for `_StoreTrueAction`), refusing when the plugin is not intact in this process."""
+
+    def __init__(self, option_strings, dest, problem=None, **kwargs):
+        self.problem = problem
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if self.problem:
+            refuse(f"--enable-hiradix: {self.problem}")
+        setattr(namespace, self.dest, True)
+
+
+def after_add_cli_args(result: None, parser: argparse.ArgumentParser) -> None:
+    """AFTER `ServerArgs.add_cli_args(parser)`: add the hiradix flag group (from `config.FLAGS`).
+
+    Value flags default to None so that "not given" is visible; the real defaults are
+    filled in by `HiRadixConfig.from_flags` and shown in the help text.
+    """
+    problem = hooks.problem(hooks.Scope.CLI, ignore=ADD_CLI_ARGS_TARGET)
+    group = parser.add_argument_group(
+        "hiradix",
+        "Tiered (HBM -> DRAM -> NVMe) radix prefix cache (hiradix plugin). "
+        "Sizes are per TP rank, in GB (1e9 bytes).",
+    )
+    group.add_argument(
+        "--enable-hiradix",
+        action=_EnableHiRadixAction,
+        problem=problem,
+        help="Use hiradix as the radix cache (selects --radix-cache-backend hiradix; "
+        f"--page-size defaults to {DEFAULT_PAGE_SIZE_TOKENS}).",
+    )
+    for spec in FLAGS:
+        group.add_argument(
+            spec.flag,
+            dest=spec.dest,
+            type=spec.type,
+            default=None,
+            metavar=spec.metavar,
+            choices=spec.choices() if spec.choices is not None else None,
+            help=spec.help + _default_text(spec.default),
+        )
+
+
+def _default_text(default: Any) -> str:
+    if default is None:
+        return ""
+    return f" Default: {default:g}." if isinstance(default, float) else f" Default: {default}."
+
+
+def _given_value_flags(namespace: argparse.Namespace) -> list[str]:
+    return [flag for dest, flag in VALUE_FLAGS.items() if getattr(namespace, dest, None) is not None]
+
+
+def _ranks_on_this_node(server_args: Any) -> int:
+    ranks = (getattr(server_args, "tp_size", 1) or 1) * (getattr(server_args, "dp_size", 1) or 1)
+    return max(1, ranks // max(1, getattr(server_args, "nnodes", 1) or 1))
+
+
+def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -> None:
+    """AFTER `ServerArgs.from_cli_args(namespace)`: validate and wire up hiradix.
+
+    Without `--enable-hiradix` the record is left untouched (and a stale
+    `HIRADIX_CONFIG` is removed from this process's environment); a `--hiradix-*`
+    flag or `--radix-cache-backend hiradix` without it is refused.
+
+    Raises:
+        HiRadixRefusal: a configuration hiradix cannot serve (message names the flag).
+    """
+    if not getattr(namespace, "enable_hiradix", False):
+        given = _given_value_flags(namespace)
+        if given:
+            refuse(f"{', '.join(given)} given without --enable-hiradix")
+        if getattr(result, "radix_cache_backend", None) == BACKEND_NAME:
+            refuse(f"--radix-cache-backend {BACKEND_NAME} requires --enable-hiradix")
+        os.environ.pop(ENV_VAR, None)
+        return None
+
+    conflict = first_conflict(result)
+    if conflict is not None:
+        rule, value = conflict
+        refuse(f"--enable-hiradix cannot be combined with {rule.flag(value)} ({rule.why})")
+    try:
+        config = HiRadixConfig.from_flags(**{spec.name: getattr(namespace, spec.dest, None) for spec in FLAGS})
+    except HiRadixConfigError as e:
+        refuse(str(e))
+    if result.page_size is not None and result.page_size < 1:
+        refuse(f"--page-size must be >= 1 with --enable-hiradix, got {result.page_size}")
+    found = read_hf_config(str(result.model_path), getattr(result, "revision", None))
+    if found is not None:
+        hf_config, where = found
+        reason = unsupported_model_reason(hf_config)
+        if reason is not None:
+            refuse(
+                f"--model-path {result.model_path} is {reason} (from {where}); "
+                "--enable-hiradix serves plain MHA/GQA full-attention decoder models only"
+            )
+        refuse_tiers_below_one_page(config, hf_config, result, result.page_size or DEFAULT_PAGE_SIZE_TOKENS)
+    try:
+        check_machine(config, ranks_on_this_node=_ranks_on_this_node(result))
+    except HiRadixConfigError as e:
+        refuse(str(e))
+
+    setattr(result, CONFIG_ATTR, config)
+    result.radix_cache_backend = BACKEND_NAME
+    if result.page_size is None:
+        result.page_size = DEFAULT_PAGE_SIZE_TOKENS
+    os.environ[ENV_VAR] = config.to_json()
+    return None
+
+
+def _declared_by(server_args: Any, field: str) -> str | None:
+    """The resolution step that last declared `field`, if any."""
+    for source, declared in reversed(getattr(server_args, "_resolved_overrides", None) or ()):
+        if field in declared:
+            return str(source)
+    return None
+
+
+def after_resolve_once(result: None, server_args: Any) -> None:
+    """AFTER `ServerArgs.resolve_once()`: re-check what SGLang resolved, log "enabled".
+
+    Runs in the launcher before any subprocess starts; a no-op without hiradix and on
+    records already checked (the copies the spawned processes receive).
+
+    Raises:
+        HiRadixRefusal: resolution produced a configuration hiradix cannot serve.
+    """
+    config = getattr(server_args, CONFIG_ATTR, None)
+    if config is None or getattr(server_args, _CHECKED_ATTR, False):
+        return None
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    view = resolving_view(server_args)
+    conflict = first_conflict(view)
+    if conflict is not None:
+        rule, value = conflict
+        source = _declared_by(server_args, rule.field) or "resolution"
+        refuse(
+            f"SGLang's resolution ({source}) set {rule.flag(value)} for this model and "
+            f"configuration, which --enable-hiradix cannot serve ({rule.why})"
+        )
+    model_config = getattr(server_args, "_model_config", None)
+    if model_config is not None:
+        reason = unsupported_model_config_reason(model_config)
+        if reason is not None:
+            refuse(
+                f"--model-path {view.model_path} is {reason}; --enable-hiradix serves "
+                "plain MHA/GQA full-attention decoder models only"
+            )
+    setattr(server_args, _CHECKED_ATTR, True)
+    logger.info("hiradix: enabled (%s, page_size=%s)", config.summary(), view.page_size)
+    return None

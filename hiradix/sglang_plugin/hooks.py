@@ -1,0 +1,268 @@
+"""The table of SGLang hooks hiradix installs, where each applies, and a self-check.
+
+SGLang's `HookRegistry` only *logs* a hook that fails to apply (and before logging is
+configured, so the line is easy to miss), and a hook registered after a target was
+patched is silently never applied. hiradix therefore checks after the fact that each
+of its hooks really sits in its target's wrapper chain (`verify`), and refuses to run
+when one does not.
+
+Scopes (decided once per process, in `register()` during SGLang's `load_plugins()`):
+
+- `Scope.CLI`: every process. The targets live in `sglang.srt.server_args`, which
+  every SGLang process imports anyway. These hooks are no-ops unless
+  `--enable-hiradix` was given.
+- `Scope.SCHEDULER`: processes that have already imported
+  `sglang.srt.managers.scheduler` when plugins load (the spawned scheduler ranks
+  import it to unpickle `run_scheduler_process`; the launcher does not import it
+  before `load_plugins()`), and only when hiradix is enabled, i.e. the launcher
+  exported `HIRADIX_CONFIG` (it removes a stale one when hiradix is off). So stock
+  servers get no scheduler hooks at all, and the launcher does not pay ~1.5 s to
+  import the scheduler module.
+
+To add a scheduler hook, append a `HookSpec` to `HOOKS`, e.g.::
+
+    HookSpec(
+        target="sglang.srt.managers.scheduler.Scheduler._process_hicache_events",
+        hook="hiradix.sglang_plugin.sched_hooks:after_process_hicache_events",
+        hook_type="after",
+        scope=Scope.SCHEDULER,
+        purpose="reap tier-move acks and run the look-ahead each step",
+    )
+
+The hook function is imported only in processes where its scope applies.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import os
+import pkgutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from hiradix.config import ENV_VAR
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the hiradix package
+
+SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+
+
+class Scope(enum.Enum):
+    """In which processes a hook is installed (see the module docstring)."""
+
+    CLI = "cli"
+    SCHEDULER = "scheduler"
+
+
+@dataclass(frozen=True, slots=True)
+class HookSpec:
+    """One hook: what it wraps, with which function, how, and where.
+
+    Attributes:
+        target: dotted path of the SGLang attribute wrapped, as `HookRegistry` takes it.
+        hook: "module:function" of the hook; imported only where `scope` applies.
+        hook_type: "before" | "after" | "around" | "replace" (`HookType` values).
+        scope: the processes it is installed in.
+        purpose: one line for error messages and readers.
+    """
+
+    target: str
+    hook: str
+    hook_type: str
+    scope: Scope
+    purpose: str
+
+    def load_hook(self) -> Callable:
+        """Import and return the hook function."""
+        module_name, _, attr = self.hook.partition(":")
+        return getattr(importlib.import_module(module_name), attr)
+
+
+_SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+
+HOOKS: tuple[HookSpec, ...] = (
+    HookSpec(
+        target=f"{_SERVER_ARGS}.add_cli_args",
+        hook="hiradix.sglang_plugin.flags:after_add_cli_args",
+        hook_type="after",
+        scope=Scope.CLI,
+        purpose="add the --enable-hiradix / --hiradix-* flags to SGLang's parser",
+    ),
+    HookSpec(
+        target=f"{_SERVER_ARGS}.from_cli_args",
+        hook="hiradix.sglang_plugin.flags:after_from_cli_args",
+        hook_type="after",
+        scope=Scope.CLI,
+        purpose="validate the hiradix flags, refuse unsupported combinations, "
+        "select --radix-cache-backend hiradix",
+    ),
+    HookSpec(
+        target=f"{_SERVER_ARGS}.resolve_once",
+        hook="hiradix.sglang_plugin.flags:after_resolve_once",
+        hook_type="after",
+        scope=Scope.CLI,
+        purpose="re-check what SGLang's resolution decided (model, radix cache) "
+        "before any subprocess starts",
+    ),
+    HookSpec(
+        target="sglang.srt.managers.scheduler.Scheduler._process_hicache_events",
+        hook="hiradix.sglang_plugin.sched_hooks:after_process_hicache_events",
+        hook_type="after",
+        scope=Scope.SCHEDULER,
+        purpose="reap tier transfers and run the look-ahead window every step",
+    ),
+    HookSpec(
+        target="sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw",
+        hook="hiradix.sglang_plugin.sched_hooks:after_get_new_batch_prefill_raw",
+        hook_type="after",
+        scope=Scope.SCHEDULER,
+        purpose="start the batch's layer-wise DRAM -> HBM loads (hicache_consumer_index)",
+    ),
+    HookSpec(
+        target="sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
+        hook="hiradix.sglang_plugin.sched_hooks:around_add_one_req",
+        hook_type="around",
+        scope=Scope.SCHEDULER,
+        purpose="skip, without blocking the queue, a request whose NVMe reads are in flight",
+    ),
+)
+
+
+def hiradix_env_enabled() -> bool:
+    """Whether the launcher exported a configuration (`HIRADIX_CONFIG`) to this process."""
+    return bool(os.environ.get(ENV_VAR))
+
+
+def current_scopes() -> frozenset[Scope]:
+    """The scopes whose hooks apply in this process."""
+    scopes = {Scope.CLI}
+    if SCHEDULER_MODULE in sys.modules and hiradix_env_enabled():
+        scopes.add(Scope.SCHEDULER)
+    return frozenset(scopes)
+
+
+# Hooks registered with HookRegistry by this process: target -> hook function.
+_registered: dict[str, Callable] = {}
+
+
+def install(specs: tuple[HookSpec, ...] = HOOKS) -> list[HookSpec]:
+    """Register the hooks of this process's scopes with SGLang's `HookRegistry`.
+
+    Registration only; SGLang applies them right after the plugins ran
+    (`load_plugins()` -> `HookRegistry.apply_hooks()`). Idempotent per target.
+
+    Returns:
+        The specs registered by this call.
+    """
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    scopes = current_scopes()
+    chosen = [s for s in specs if s.scope in scopes and s.target not in _registered]
+    loaded = [(spec, spec.load_hook()) for spec in chosen]  # import all, then register
+    for spec, fn in loaded:
+        HookRegistry.register(spec.target, fn, HookType(spec.hook_type))
+        _registered[spec.target] = fn
+    return chosen
+
+
+def _target_attribute(target: str) -> object:
+    """The raw attribute at `target` (classmethod/staticmethod unwrapped)."""
+    owner_path, _, name = target.rpartition(".")
+    owner = pkgutil.resolve_name(owner_path)
+    raw = owner.__dict__.get(name) if isinstance(owner, type) else None
+    if raw is None:
+        raw = getattr(owner, name)
+    if isinstance(raw, (classmethod, staticmethod)):
+        raw = raw.__func__
+    return raw
+
+
+def is_installed(target: str, hook: Callable) -> bool:
+    """Whether `hook` sits in the wrapper chain now installed at `target`.
+
+    `HookRegistry` wraps with closures over the hook and sets `__wrapped__` to the
+    next inner function; a class REPLACE puts the class itself at the target.
+    """
+    try:
+        fn = _target_attribute(target)
+    except (AttributeError, ImportError, ValueError):
+        return False
+    seen: set[int] = set()
+    while fn is not None and id(fn) not in seen:
+        if fn is hook:
+            return True
+        seen.add(id(fn))
+        cells = getattr(fn, "__closure__", None) or ()
+        for cell in cells:
+            try:
+                if cell.cell_contents is hook:
+                    return True
+            except ValueError:  # empty cell
+                continue
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def missing(scope: Scope, specs: tuple[HookSpec, ...] = HOOKS) -> list[HookSpec]:
+    """The specs of `scope` whose hook is not installed on its target in this process.
+
+    A spec never registered here (its scope did not apply when plugins loaded) counts
+    as missing.
+    """
+    out = []
+    for spec in specs:
+        if spec.scope is not scope:
+            continue
+        fn = _registered.get(spec.target)
+        if fn is None or not is_installed(spec.target, fn):
+            out.append(spec)
+    return out
+
+
+def describe_missing(specs: list[HookSpec]) -> str:
+    """One line naming the hooks that are not installed."""
+    names = ", ".join(f"{s.hook_type.upper()} {s.target} ({s.purpose})" for s in specs)
+    return (
+        f"SGLang did not install hook(s) {names}; SGLang logs the reason as "
+        "'Failed to apply hooks to ...' (often another plugin patched the target "
+        "first, or the SGLang version differs from the pinned 0.5.23)"
+    )
+
+
+def package_problem() -> str | None:
+    """Why the imported `hiradix` package is not the one this code runs from, or None.
+
+    Started from a directory holding a folder named `hiradix` (e.g. an old checkout),
+    Python imports that folder as the package. With an editable install the plugin's
+    own submodules may still come from the installed tree, so the process would mix
+    two versions; with a regular install `hiradix.sglang_plugin.plugin` fails to import, SGLang logs
+    "Failed to load plugin hiradix" and `--enable-hiradix` is an unknown flag.
+    """
+    package = sys.modules.get("hiradix")
+    paths = [Path(p).resolve() for p in getattr(package, "__path__", None) or ()]
+    if PACKAGE_DIR in paths:
+        return None
+    where = ", ".join(map(str, paths)) or repr(package)
+    return (
+        f"the package 'hiradix' was imported from {where} but the plugin runs from "
+        f"{PACKAGE_DIR}: a folder named 'hiradix' in the working directory (or earlier "
+        "on sys.path) shadows the installed package; start the server from another "
+        "directory"
+    )
+
+
+def problem(scope: Scope, *, ignore: str | None = None) -> str | None:
+    """Why hiradix cannot run in this process (shadowed package, hooks missing), or None.
+
+    Args:
+        scope: whose hooks must be installed.
+        ignore: a target not to check (the hook that is asking, while it runs).
+    """
+    shadowed = package_problem()
+    if shadowed:
+        return shadowed
+    absent = [s for s in missing(scope) if s.target != ignore]
+    return describe_missing(absent) if absent else None

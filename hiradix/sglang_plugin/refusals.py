@@ -1,0 +1,123 @@
+"""What hiradix refuses to serve, and how it says so (before the model loads where it can).
+
+Refusals print one line "hiradix: <what, naming the flag>" on stderr and exit with status 2
+(:class:`HiRadixRefusal`, a ``SystemExit``), in the launcher, before any subprocess starts or
+the model loads: SGLang settings hiradix cannot serve (:data:`CONFLICTS`), tier budgets below
+one KV page of the model, and build contexts the cache factory finds unservable in the
+scheduler (:func:`unsupported_build_context`). Model architectures are judged by
+:mod:`hiradix.sglang_plugin.model_check`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from hiradix.config import HiRadixConfig
+from hiradix.sglang_plugin.model_check import page_bytes_estimate
+from hiradix.tiers.nvme import slot_bytes_for
+
+BACKEND_NAME = "hiradix"  # --radix-cache-backend name hiradix registers
+
+
+class HiRadixRefusal(SystemExit):
+    """Stops the launcher: exit status 2, message already printed on stderr."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def refuse(message: str) -> NoReturn:
+    """Print ``hiradix: <message>`` on stderr and stop with exit status 2."""
+    line = "hiradix: " + " ".join(message.split())
+    print(line, file=sys.stderr, flush=True)
+    raise HiRadixRefusal(line)
+
+
+@dataclass(frozen=True)
+class _Conflict:
+    """A ServerArgs field value hiradix cannot serve; `flag` spells it as a user would."""
+
+    field: str
+    is_conflict: Callable[[Any], bool]
+    flag: Callable[[Any], str]
+    why: str
+
+
+def _gt1(v: Any) -> bool:
+    return v is not None and v > 1
+
+
+CONFLICTS: tuple[_Conflict, ...] = (
+    _Conflict("disable_radix_cache", bool, lambda v: "--disable-radix-cache",
+              "hiradix is a radix prefix cache"),
+    _Conflict("enable_hierarchical_cache", bool, lambda v: "--enable-hierarchical-cache",
+              "hiradix replaces SGLang's HiCache; use one of them"),
+    _Conflict("enable_lmcache", bool, lambda v: "--enable-lmcache",
+              "hiradix replaces the radix cache LMCache would extend"),
+    _Conflict("enable_flexkv", bool, lambda v: "--enable-flexkv",
+              "hiradix replaces the radix cache FlexKV would extend"),
+    _Conflict("radix_cache_backend", lambda v: v is not None and v != BACKEND_NAME,
+              lambda v: f"--radix-cache-backend {v}",
+              f"--enable-hiradix selects --radix-cache-backend {BACKEND_NAME}"),
+    _Conflict("speculative_algorithm", lambda v: v is not None,
+              lambda v: f"--speculative-algorithm {v}",
+              "speculative decoding is not supported"),
+    _Conflict("attn_dp_size", _gt1, lambda v: f"--attn-dp-size {v}",
+              "DP attention is not supported"),
+    _Conflict("enable_dp_attention", bool, lambda v: "--enable-dp-attention",
+              "DP attention is not supported"),
+    _Conflict("disaggregation_mode", lambda v: v not in (None, "null"),
+              lambda v: f"--disaggregation-mode {v}",
+              "PD disaggregation is not supported"),
+    _Conflict("pp_size", _gt1, lambda v: f"--pp-size {v}",
+              "pipeline parallelism is not supported: the per-step hooks follow "
+              "the non-PP scheduler loop"),
+)  # fmt: skip
+
+
+def first_conflict(config_view: Any) -> tuple[_Conflict, Any] | None:
+    for conflict in CONFLICTS:
+        value = getattr(config_view, conflict.field, None)
+        if conflict.is_conflict(value):
+            return conflict, value
+    return None
+
+
+
+def refuse_tiers_below_one_page(config: HiRadixConfig, hf_config: dict, server_args: Any, page_size: int) -> None:
+    """Refuse a DRAM or NVMe budget smaller than one KV page of this model (estimated)."""
+    page_bytes = page_bytes_estimate(hf_config, page_size, int(getattr(server_args, "tp_size", 1) or 1),
+                                     str(getattr(server_args, "dtype", "auto")), getattr(server_args, "kv_cache_dtype", None))
+    if page_bytes is None:
+        return
+    if config.dram_bytes < page_bytes:
+        refuse(f"--hiradix-dram-gb {config.dram_bytes / 1e9:g} ({config.dram_bytes} bytes) holds no KV page "
+               f"of this model ({page_bytes} bytes per page of {page_size} tokens)")
+    if 0 < config.nvme_bytes < slot_bytes_for(page_bytes):
+        refuse(f"--hiradix-nvme-gb {config.nvme_bytes / 1e9:g} ({config.nvme_bytes} bytes) holds no KV page "
+               f"of this model ({slot_bytes_for(page_bytes)} bytes per slot)")
+
+
+def unsupported_build_context(ctx: Any) -> str | None:
+    """Why the scheduler's cache build context cannot be served by hiradix, or None."""
+    from sglang.srt.configs.model_config import AttentionArch
+
+    if ctx.disable_radix_cache:
+        return "the radix cache is disabled for this server"
+    if ctx.enable_hierarchical_cache:
+        return "SGLang's hierarchical cache is enabled"
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or getattr(ctx, "is_dsa", False):
+        return (
+            f"the model is not plain full attention (hybrid_swa={ctx.is_hybrid_swa}, "
+            f"hybrid_ssm={ctx.is_hybrid_ssm}, dsa={getattr(ctx, 'is_dsa', False)})"
+        )
+    if ctx.model_config.attention_arch != AttentionArch.MHA:
+        return f"the model uses {ctx.model_config.attention_arch.name} attention"
+    return None

@@ -1,0 +1,52 @@
+"""Scheduler hooks (installed in scheduler processes only, when hiradix is enabled).
+
+SGLang 0.5.23 gates its per-step cache events and its host-load start on
+``--enable-hierarchical-cache`` (``managers/scheduler.py``: ``_process_hicache_events`` and
+``_get_new_batch_prefill_raw``), which hiradix refuses; these hooks call the same cache methods
+for a :class:`hiradix.sglang_plugin.cache.HiRadixCache`, and let admission skip a request whose NVMe reads are
+still in flight without blocking the requests behind it (``schedule_policy.PrefillAdder``).
+Each hook is a no-op for any other tree cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _hiradix_cache(tree_cache: Any):
+    from hiradix.sglang_plugin.cache import HiRadixCache
+
+    return tree_cache if isinstance(tree_cache, HiRadixCache) else None
+
+
+def after_process_hicache_events(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """Every scheduler step (also when the running batch is full): reap acks, move pages."""
+    cache = _hiradix_cache(scheduler.tree_cache)
+    if cache is not None:
+        cache.check_hicache_events()
+        # The chunked request's next chunks run before anything queued: position 0. Requests
+        # in the running batch hold locks on their prefixes, which is stronger protection.
+        chunked = getattr(scheduler, "chunked_req", None)
+        cache.observe_queue(([chunked] if chunked is not None else []) + list(scheduler.waiting_queue))
+    return None
+
+
+def after_get_new_batch_prefill_raw(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """Start the batch's layer-wise promotions; the batch carries the consumer index."""
+    cache = _hiradix_cache(scheduler.tree_cache)
+    if cache is None or result is None:
+        return None
+    new_batch = result[0]
+    if new_batch is not None and new_batch.hicache_consumer_index < 0:
+        new_batch.hicache_consumer_index = cache.ready_to_load_host_cache()
+    return None
+
+
+def around_add_one_req(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """Skip (``CONTINUE``) a request whose NVMe -> DRAM reads are in flight and not timed out."""
+    cache = _hiradix_cache(adder.tree_cache)
+    if cache is not None and cache.should_wait(req):
+        from sglang.srt.managers.schedule_policy import AddReqResult
+
+        return AddReqResult.CONTINUE
+    return original(adder, req, *args, **kwargs)

@@ -1,0 +1,280 @@
+"""Data-less implementations of the core's ports, so the real bookkeeping runs without KV bytes.
+
+The trace simulator (``bench/simulate.py``) and the tests drive the real
+:class:`hiradix.core.prefix_cache.TieredPrefixCache` (tree, policies, ledger, placement,
+controller) through these, the same object the server drives; they carry page ids and op ids
+only (no tensors, no files, no processes):
+
+* :class:`SimClock` -- a virtual monotonic clock in seconds, shared by the tree (recency),
+  the controller (prefetch deadlines) and the I/O stand-in (completion times);
+* :class:`SimDevicePool` -- the ``DevicePool`` port: SGLang's paged device allocator as a
+  free list of HBM pages, handing out token slot ids page by page;
+* :class:`SimHostMover` -- the ``HostMover`` port; a BACKUP or PROMOTE completes at the next
+  ``finished()``/``flush()`` (HBM <-> DRAM copies are not timed);
+* :class:`SimIOClient` -- the ``IOClient`` port; a job completes after a simulated service
+  time per page on the virtual clock, reads and writes on two separate FIFO channels;
+* :func:`simulated_controller` -- a real :class:`~hiradix.core.controller.TierController`
+  over a ledger and these ports, sized as the server sizes it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Optional, Sequence
+
+from hiradix.core.controller import TierController
+from hiradix.core.ledger import Kind, TierBooks, Transfer
+from hiradix.core.tree import TieredRadixTree
+from hiradix.io.protocol import JobDone, LoadPages, StorePages
+
+
+class SimClock:
+    """Virtual monotonic time in seconds; call it to read, :meth:`advance_to` to move on.
+
+    Args:
+        start_s: initial time, in seconds.
+    """
+
+    def __init__(self, start_s: float = 0.0):
+        self.now_s = start_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def advance_to(self, t_s: float) -> None:
+        """Move to ``t_s`` seconds (never backwards)."""
+        self.now_s = max(self.now_s, t_s)
+
+
+class SimDevicePool:
+    """Paged device slot allocator: slots of page ``p`` are ``p*page_size .. +page_size-1``.
+
+    Same semantics as SGLang's paged ``TokenToKVPoolAllocator`` as the tree sees it: slot
+    arrays handed out are whole pages; frees are whole pages; a double free raises.
+
+    Args:
+        num_tokens: capacity in tokens (rounded down to whole pages).
+        page_size: tokens per page.
+    """
+
+    def __init__(self, num_tokens: int, page_size: int):
+        self.page_size = page_size
+        self.num_pages = num_tokens // page_size
+        self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
+        self._used = bytearray(self.num_pages)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Capacity, in tokens (whole pages)."""
+        return self.num_pages * self.page_size
+
+    def available_size(self) -> int:
+        """Free slots, in tokens."""
+        return len(self._free) * self.page_size
+
+    def alloc(self, num_tokens: int) -> Optional[list[int]]:
+        """Take ``num_tokens`` slots (a multiple of ``page_size``), all or nothing.
+
+        Returns:
+            Slot ids, shape ``(num_tokens,)``, or ``None`` when too few pages are free.
+        """
+        ps = self.page_size
+        assert num_tokens % ps == 0, num_tokens
+        n = num_tokens // ps
+        if n > len(self._free):
+            return None
+        pages = self._free[len(self._free) - n :]
+        del self._free[len(self._free) - n :]
+        slots: list[int] = []
+        for p in reversed(pages):
+            self._used[p] = 1
+            slots.extend(range(p * ps, p * ps + ps))
+        return slots
+
+    def free(self, slots: Sequence[int]) -> None:
+        """Return whole pages of slots (as handed out by :meth:`alloc` or split from it).
+
+        Raises:
+            ValueError: not whole pages, or a page that is not allocated.
+        """
+        ps = self.page_size
+        if len(slots) % ps:
+            raise ValueError(f"free of {len(slots)} slots: not whole pages of {ps}")
+        pages = [s // ps for s in slots[::ps]]
+        for k, p in enumerate(pages):
+            if slots[k * ps] % ps or not self._used[p]:
+                raise ValueError(f"bad free of page {p}")
+        for p in pages:
+            self._used[p] = 0
+        self._free.extend(pages)
+
+    def num_used_tokens(self) -> int:
+        """Slots handed out and not freed, in tokens."""
+        return (self.num_pages - len(self._free)) * self.page_size
+
+    def concat(self, parts: Sequence[Sequence[int]]) -> list[int]:
+        """One slot list made of ``parts`` in order."""
+        out: list[int] = []
+        for part in parts:
+            out.extend(part)
+        return out
+
+
+class SimHostMover:
+    """The ``HostMover`` port without bytes (real one: :class:`hiradix.dataplane.movers.HostMover`).
+
+    A BACKUP (HBM -> DRAM) or PROMOTE (DRAM -> HBM) completes at the next :meth:`finished`
+    or :meth:`flush`, i.e. within one scheduler step (these copies overlap the forward in
+    the real system).
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[int] = []  # op ids of started copies
+        self.pages_moved = {Kind.BACKUP: 0, Kind.PROMOTE: 0}  # in pages
+        self._batches = 0
+
+    def backup(self, op: Transfer) -> None:
+        """Start an HBM -> DRAM copy (completes at the next :meth:`finished`)."""
+        assert op.kind == Kind.BACKUP
+        self._pending.append(op.op_id)
+        self.pages_moved[Kind.BACKUP] += len(op.dst_ids)
+
+    def promote(self, op: Transfer) -> None:
+        """Start a DRAM -> HBM load (completes at the next :meth:`finished`)."""
+        assert op.kind == Kind.PROMOTE
+        self._pending.append(op.op_id)
+        self.pages_moved[Kind.PROMOTE] += len(op.src_ids)
+
+    def start_loading(self) -> int:
+        """The consumer index a batch would carry (counts batches; no layers to wait on)."""
+        self._batches += 1
+        return self._batches
+
+    def finished(self) -> list[int]:
+        """Op ids of every copy started since the last call (all of them have landed)."""
+        done, self._pending = self._pending, []
+        return done
+
+    def flush(self) -> list[int]:
+        """Finish every pending copy now; returns their op ids."""
+        return self.finished()
+
+    def drop_pending(self) -> None:
+        """Forget pending copies (on reset)."""
+        self._pending.clear()
+
+
+class SimIOClient:
+    """The ``IOClient`` port on a virtual clock (real one: :class:`hiradix.io.client.IOWorkerClient`).
+
+    A job's pages are served one after the other on its channel (``LoadPages`` on the read
+    channel, ``StorePages`` on the write channel), each channel FIFO: a job submitted at
+    ``t`` completes at ``max(t, channel free) + pages * s_per_page``. Every page succeeds.
+
+    Args:
+        clock: the shared virtual clock.
+        read_s_per_page: NVMe -> DRAM service time of one page, in seconds.
+        write_s_per_page: DRAM -> NVMe service time of one page, in seconds.
+    """
+
+    def __init__(self, clock: SimClock, read_s_per_page: float, write_s_per_page: float):
+        self.clock = clock
+        self.s_per_page = {LoadPages: read_s_per_page, StorePages: write_s_per_page}
+        self._busy_until_s = {LoadPages: 0.0, StorePages: 0.0}
+        self._jobs: list[tuple[float, int, int]] = []  # heap of (done at s, job id, pages)
+        self.disabled = False
+        self.pages_done = {LoadPages: 0, StorePages: 0}
+
+    def submit(self, job: LoadPages | StorePages) -> None:
+        """Queue ``job`` on its channel; its ``JobDone`` comes from :meth:`poll` when due."""
+        kind = type(job)
+        pages = len(job.dram_pages)
+        start_s = max(self.clock(), self._busy_until_s[kind])
+        done_s = start_s + pages * self.s_per_page[kind]
+        self._busy_until_s[kind] = done_s
+        heapq.heappush(self._jobs, (done_s, job.job_id, pages))
+        self.pages_done[kind] += pages
+
+    def submit_store(self, job_id: int, dram_pages: Sequence[int], nvme_slots: Sequence[int]) -> None:
+        """Queue a DRAM -> NVMe store on the write channel."""
+        self.submit(StorePages(job_id, list(dram_pages), list(nvme_slots)))
+
+    def submit_load(self, job_id: int, nvme_slots: Sequence[int], dram_pages: Sequence[int]) -> None:
+        """Queue an NVMe -> DRAM load on the read channel."""
+        self.submit(LoadPages(job_id, list(nvme_slots), list(dram_pages)))
+
+    def poll(self) -> list[JobDone]:
+        """Jobs whose completion time has passed on the virtual clock."""
+        now, done = self.clock(), []
+        while self._jobs and self._jobs[0][0] <= now:
+            _, job_id, pages = heapq.heappop(self._jobs)
+            done.append(JobDone(job_id=job_id, ok=[True] * pages))
+        return done
+
+    def wait(self, timeout_s: float) -> list[JobDone]:
+        """Block (advance the virtual clock) until a job completes or ``timeout_s`` passes."""
+        target = self.clock() + max(timeout_s, 0.0)
+        if self._jobs:
+            target = min(target, self._jobs[0][0])
+        self.clock.advance_to(target)
+        return self.poll()
+
+    def next_done_s(self) -> Optional[float]:
+        """Completion time of the earliest job in flight, or None."""
+        return self._jobs[0][0] if self._jobs else None
+
+    def in_flight(self) -> set[int]:
+        """Ids of submitted jobs not yet returned by :meth:`poll`."""
+        return {job_id for _, job_id, _ in self._jobs}
+
+    def check_alive(self) -> bool:
+        """The stand-in never dies."""
+        return True
+
+    def close(self) -> None:
+        """Drop the jobs in flight."""
+        self._jobs.clear()
+
+
+def simulated_controller(
+    tree: TieredRadixTree,
+    dram_pages: int,
+    nvme_slots: int,
+    page_bytes: int,
+    write_through: bool,
+    clock: SimClock,
+    read_s_per_page: float = 0.0,
+    write_s_per_page: float = 0.0,
+) -> TierController:
+    """A real :class:`TierController` over data-less ports, sized like ``runtime.assembly.build_tiers``.
+
+    Args:
+        tree: the tree whose nodes move.
+        dram_pages: DRAM tier capacity, in pages.
+        nvme_slots: NVMe tier capacity, in pages (0 = no NVMe tier, no I/O client).
+        page_bytes: bytes of one page (all layers), for the controller's counters.
+        write_through: back up to DRAM at insert (else at HBM eviction).
+        clock: the shared virtual clock.
+        read_s_per_page: simulated NVMe read time per page, in seconds.
+        write_s_per_page: simulated NVMe write time per page, in seconds.
+    """
+    books = TierBooks(tree, dram_pages, nvme_slots)
+    client = SimIOClient(clock, read_s_per_page, write_s_per_page) if nvme_slots > 0 else None
+    return TierController(tree, books, SimHostMover(), client, page_bytes, write_through, clock=clock)
+
+
+def next_event_s(tiers: Optional[TierController]) -> Optional[float]:
+    """When the controller next has something to reap (an I/O completion), or None."""
+    if tiers is None or tiers.client is None:
+        return None
+    return tiers.client.next_done_s()
+
+
+__all__ = [
+    "SimClock",
+    "SimDevicePool",
+    "SimHostMover",
+    "SimIOClient",
+    "simulated_controller",
+    "next_event_s",
+]

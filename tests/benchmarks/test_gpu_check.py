@@ -1,0 +1,142 @@
+"""scripts/gpu_check on a CPU machine: argument parsing, offline install, skip paths, JSON output.
+
+The CPU run (``--allow-cpu --quick``) executes every check's code path with tiny sizes: the
+layer-wise loader with ``hiradix.layout.load_layer``, NvmeStore's posix backend, and the torch
+reference of the attention check. The figures it writes are not GPU figures; the GPU test at the
+end runs the real thing when a CUDA device is present.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import subprocess
+import sys
+import tarfile
+from importlib.machinery import SourceFileLoader
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = REPO_ROOT / "scripts" / "gpu_check"
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def gc():
+    """The script, imported as a module (it has no .py suffix)."""
+    loader = SourceFileLoader("gpu_check_under_test", str(SCRIPT))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def test_cli(gc):
+    args = gc.parse_args(["--out", "/tmp/x"])
+    assert args.checks.split(",") == list(gc.CHECKS)
+    assert args.budget_s < 480  # the whole script must finish inside an 8-minute device run
+    with pytest.raises(SystemExit):
+        gc.parse_args(["--out", "/tmp/x", "--checks", "layerwise,bogus"])
+    with pytest.raises(SystemExit):
+        gc.parse_args([])  # --out is required
+
+
+def test_flashinfer_trim_keeps_what_the_attention_jit_needs(gc):
+    keep = gc._keep_flashinfer_member
+    assert gc.parse_args(["--prepare-wheels", "/tmp/w"]).prepare_wheels == "/tmp/w"  # no --out needed
+    for name in ("flashinfer/decode.py", "flashinfer/data/csrc/batch_decode.cu",
+                 "flashinfer/data/csrc/batch_prefill_paged_kernel_inst.jinja", "flashinfer/data/include/flashinfer/page.cuh",
+                 "flashinfer/data/cutlass/include/cute/tensor.hpp", "flashinfer_python-0.7.2.post1.dist-info/METADATA"):
+        assert keep(name), name
+    for name in ("flashinfer/data/csrc/kda/kernel.cu", "flashinfer/experimental/x/csrc/k.cu", "b12x/__init__.py"):
+        assert not keep(name), name
+
+
+def test_pick_disk_dir_takes_the_explicit_dir(gc, tmp_path):
+    base, seen = gc.pick_disk_dir(str(tmp_path), 1 << 20)
+    assert base == tmp_path
+    assert seen["chosen_reason"] == "explicit"
+    assert "fstype" in seen["candidates"][str(tmp_path)]
+
+
+@pytest.mark.skipif(CUDA, reason="checks the no-GPU skip path")
+@pytest.mark.parametrize("name", ["layerwise", "nvme", "flashinfer"])
+def test_checks_skip_cleanly_without_cuda(gc, tmp_path, name):
+    ctx = gc.Ctx(name, tmp_path / f"{name}.json", deadline=1e18, quick=True, allow_cpu=False, opts={})
+    getattr(gc, f"check_{name}")(ctx)
+    assert ctx.result["status"] == "skipped"
+    assert "CUDA" in ctx.result["reason"]
+
+
+def test_layer_done_counter_stand_in_when_sglang_is_missing(gc, monkeypatch):
+    for name in ("sglang", "sglang.srt", "sglang.srt.managers", "sglang.srt.managers.cache_controller"):
+        monkeypatch.setitem(sys.modules, name, None)  # import fails; restored after the test
+    where = gc.ensure_layer_done_counter()
+    assert where.startswith("stand-in")
+    from sglang.srt.managers.cache_controller import LayerDoneCounter
+
+    assert LayerDoneCounter is gc._LayerDoneCounter
+
+
+def _tarball(path: Path) -> None:
+    """A tiny package as a .tar.gz, the form the trimmed FlashInfer travels in."""
+    data = b"VALUE = 42\n"
+    with tarfile.open(path, "w:gz") as tf:
+        info = tarfile.TarInfo("gc_probe_pkg/__init__.py")
+        info.size = len(data)
+        tf.addfile(info, io.BytesIO(data))
+
+
+def _run(tmp_path: Path, *extra: str) -> dict:
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    _tarball(wheels / "gc_probe_pkg.tar.gz")
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(SCRIPT), "--wheels", str(wheels), "--site", str(tmp_path / "site"),
+           "--out", str(out), "--budget-s", "300", "--nvme-dir", str(tmp_path), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / "gpu_check.log").stat().st_size > 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["install"]["status"] == "ok", results["install"]
+    assert (tmp_path / "site" / "gc_probe_pkg" / "__init__.py").exists()
+    assert results["summary"] and results["finished_utc"]
+    return results
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU dry run; the GPU run is test_gpu_check_on_gpu")
+def test_cpu_dry_run_exercises_every_check(tmp_path):
+    results = _run(tmp_path, "--allow-cpu", "--quick")
+    checks = results["checks"]
+    assert set(checks) == {"layerwise", "nvme", "flashinfer"}
+    lw = checks["layerwise"]
+    assert lw["status"] == "ok", lw
+    v = lw["variants"]["load_layer_pageable"]
+    assert v["status"] == "ok" and v["verified_bit_exact"] and v["verified_after_overlap"]
+    for key in ("load_alone_ms", "overlapped_ms", "exposed_load_ms", "exposed_share_of_load"):
+        assert isinstance(v[key], float)
+    nv = checks["nvme"]
+    assert nv["status"] == "ok", nv
+    assert nv["write"]["ok"] and nv["methods"]["posix_read_then_h2d"]["verified"]
+    assert nv["methods"]["kvikio_pread_to_gpu_one_read"]["status"] == "skipped"
+    fl = checks["flashinfer"]
+    assert fl["status"] == "ok", fl
+    for trial in fl["torch_reference"]["trials"]:
+        assert trial["pages_loaded_bit_exact"]
+        assert trial["fp64_from_pool_vs_fp64_from_dram_max_rel_err"] == 0.0
+        assert trial["torch_sdpa_bf16_vs_fp64_max_rel_err"] < 1e-2
+    assert fl["flashinfer"] == {"status": "skipped", "reason": "no CUDA device"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_check_on_gpu(tmp_path):
+    results = _run(tmp_path, "--quick", "--checks", "layerwise,nvme")
+    lw = results["checks"]["layerwise"]
+    assert lw["status"] == "ok", lw
+    assert all(v.get("verified_bit_exact") for v in lw["variants"].values() if v.get("status") == "ok")
+    assert results["checks"]["nvme"]["methods"]["posix_read_then_h2d"]["verified"]

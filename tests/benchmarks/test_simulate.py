@@ -1,0 +1,203 @@
+"""The trace simulator (``bench/simulate.py`` over ``hiradix.simulated``) on scripted traces.
+
+Small Mooncake-format traces written to a temp dir; every simulated step ends with
+``books.check_integrity()`` plus the HBM slot balance (``SimConfig.check_every_step``).
+Expected figures are worked out by hand in the comments.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.simulate import BLOCK_TOKENS, Engine, SimConfig, infinite_hit_rates, load_trace, main, run_scenario
+from hiradix.testing.sim_ports import SimClock, SimDevicePool, SimIOClient
+from hiradix.io.protocol import LoadPages, StorePages
+from hiradix.core.node import IntegrityError
+
+A, B, C, D, G, F = 1, 2, 3, 4, 5, 6  # block ids of the scripted traces
+
+
+def write_trace(path, rows):
+    """rows: (timestamp s, hash ids, output tokens[, input tokens]); blocks are full unless given."""
+    with open(path, "w") as f:
+        for row in rows:
+            t_s, ids, out = row[:3]
+            inp = row[3] if len(row) > 3 else BLOCK_TOKENS * len(ids)
+            f.write(json.dumps({"timestamp": int(t_s * 1000), "input_length": inp, "output_length": out, "hash_ids": ids}) + "\n")
+    return path
+
+
+def chat_trace(tmp_path):
+    """8 conversations x 3 turns, all behind the shared system block 0; arrivals 10 s apart.
+
+    Turn t of conversation c sends [0, c1, .., ct]. Block references: 8 x (2 + 3 + 4) = 72.
+    Hits: turn 1 hits block 0 except the very first request (7); turn 2 hits 2 blocks (16);
+    turn 3 hits 3 (24): 47 of 72.
+    """
+    rows, t = [], 0.0
+    for turn in (1, 2, 3):
+        for conv in range(8):
+            rows.append((t, [0] + [100 * (conv + 1) + k for k in range(turn)], 4))
+            t += 10.0
+    return write_trace(tmp_path / "chat.jsonl", rows)
+
+
+def ample(**kw) -> SimConfig:
+    base = dict(hbm_tokens=64 * BLOCK_TOKENS, dram_tokens=64 * BLOCK_TOKENS, nvme_tokens=256 * BLOCK_TOKENS, check_every_step=True)
+    base.update(kw)
+    return SimConfig(**base)
+
+
+def test_infinite_hit_rate_by_hand(tmp_path):
+    trace = load_trace(chat_trace(tmp_path))
+    inf = infinite_hit_rates(trace, page_size=512)
+    assert (inf["block_refs"], inf["distinct_blocks"]) == (72, 25)
+    assert inf["block_hit_rate"] == pytest.approx(47 / 72)
+    assert inf["token_hit_rate"] == pytest.approx(47 / 72)  # all blocks full
+
+
+def test_partial_last_block_counts_whole_pages_only(tmp_path):
+    # [7, 8] with 700 tokens (block 8 holds 188), then the same prompt again.
+    trace = load_trace(write_trace(tmp_path / "t.jsonl", [(0, [7, 8], 1, 700), (5, [7, 8], 1, 700)]))
+    # page 128: the second request can hit 512 + 128 tokens of 1400 prompt tokens
+    assert infinite_hit_rates(trace, 128)["token_hit_rate"] == pytest.approx(640 / 1400)
+    assert infinite_hit_rates(trace, 512)["token_hit_rate"] == pytest.approx(512 / 1400)
+    assert infinite_hit_rates(trace, 512)["block_hit_rate"] == pytest.approx(2 / 4)
+    r = run_scenario(trace, ample(page_size=128), "hbm", "lru")
+    assert r["hit_tokens"]["hbm"] == 640 and r["block_hit_rate"] == pytest.approx(2 / 4)
+
+
+@pytest.mark.parametrize("tier", ["hbm", "dram", "nvme"])
+@pytest.mark.parametrize("policy", ["lru", "lookahead"])
+def test_ample_cache_reaches_the_infinite_hit_rate(tmp_path, tier, policy):
+    trace = load_trace(chat_trace(tmp_path))
+    r = run_scenario(trace, ample(), tier, policy)
+    assert r["hit_tokens"] == {"hbm": 47 * 512, "dram": 0, "nvme": 0}  # nothing ever leaves HBM
+    assert r["block_hit_rate"] == pytest.approx(47 / 72)
+    assert r["requests"] == 24 and r["rejected"] == 0
+
+
+def test_token_level_keys_give_the_same_decisions(tmp_path):
+    trace = load_trace(chat_trace(tmp_path))
+    small = dict(hbm_tokens=6 * BLOCK_TOKENS, dram_tokens=4 * BLOCK_TOKENS, page_size=256)
+    pages = run_scenario(trace, ample(**small), "nvme", "lookahead")
+    tokens = run_scenario(trace, ample(token_level=True, **small), "nvme", "lookahead")
+    assert pages["hit_tokens"] == tokens["hit_tokens"]
+    assert pages["hit_tokens"]["dram"] > 0  # the small HBM really pushed KV down
+
+
+def scripted_cfg(**kw) -> SimConfig:
+    """One request at a time; 1 s of prefill per 512-token page; decode 1 token/s."""
+    base = dict(
+        page_size=512, max_running=1, prefill_tokens_per_s=512.0, decode_tokens_per_s=1.0,
+        kv_bytes_per_token=1, nvme_read_bytes_per_s=512.0, nvme_write_bytes_per_s=51200.0,
+        check_every_step=True,
+    )  # fmt: skip
+    base.update(kw)
+    return SimConfig(**base)
+
+
+@pytest.mark.parametrize(
+    "tier, expect",
+    [
+        # HBM only: LRU deleted A, so the queued request recomputes it.
+        ("hbm", {"lru": {"hbm": 0, "dram": 0, "nvme": 0}, "lookahead": {"hbm": 512, "dram": 0, "nvme": 0}}),
+        # + DRAM: LRU demoted A to DRAM and loads it back; look-ahead kept it in HBM.
+        ("dram", {"lru": {"hbm": 0, "dram": 512, "nvme": 0}, "lookahead": {"hbm": 512, "dram": 0, "nvme": 0}}),
+    ],
+)
+@pytest.mark.parametrize("policy", ["lru", "lookahead"])
+def test_lookahead_keeps_what_a_queued_request_needs(tmp_path, tier, expect, policy):
+    # HBM holds 4 pages. t=0 [A] and t=2 [B] leave A (older) and B in HBM. At t=4 [C,D,E]
+    # needs 3 pages (1 eviction) while [A,F] waits behind it (max_running=1):
+    #   lru       evicts A (least recent)       -> [A,F] at t=7 misses A in HBM;
+    #   lookahead evicts B (A is needed next)   -> [A,F] hits A in HBM.
+    rows = [(0, [A], 0), (2, [B], 0), (4, [C, D, 9], 0), (4, [A, F], 0)]
+    trace = load_trace(write_trace(tmp_path / "t.jsonl", rows))
+    cfg = scripted_cfg(hbm_tokens=4 * 512, dram_tokens=8 * 512)
+    r = run_scenario(trace, cfg, tier, policy)
+    assert r["hit_tokens"] == expect[policy]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lookahead"])
+def test_lookahead_reads_nvme_ahead_of_admission(tmp_path, policy):
+    # HBM 4 pages, DRAM 2 pages, NVMe 16; a page reads in 1 s, writes in 0.01 s.
+    # t=0..7: [A], [B], [C], [D] fill HBM; each backup to DRAM drops the oldest redundant
+    #         DRAM copy (A at t=5, B at t=7).
+    # t=8:  [G] with 4 output tokens needs 2 pages: evicts A then B from HBM (each backed up
+    #       to DRAM first, dropping C's and D's DRAM copies), both demoted to NVMe.
+    # t=9:  G's backup drops A's DRAM copy: A is on NVMe only. G decodes until t=13.
+    # t=10: [A,F] arrives and waits (G holds the only running slot).
+    #   lookahead: the window reads A into DRAM at t=10 (lands t=11); admitted at t=13,
+    #              A served from DRAM, no NVMe wait.
+    #   lru:       first tried at t=13, reads A on demand, skipped until t=14: NVMe, 1 s wait.
+    rows = [(0, [A], 0), (2, [B], 0), (4, [C], 0), (6, [D], 0), (8, [G], 4), (10, [A, F], 0)]
+    trace = load_trace(write_trace(tmp_path / "t.jsonl", rows))
+    cfg = scripted_cfg(hbm_tokens=4 * 512, dram_tokens=2 * 512, nvme_tokens=16 * 512)
+    r = run_scenario(trace, cfg, "nvme", policy)
+    if policy == "lookahead":
+        assert r["hit_tokens"] == {"hbm": 0, "dram": 512, "nvme": 0}
+        assert r["nvme_wait_s"]["total"] == 0.0
+        assert r["strict_dram_share"] == 1.0
+    else:
+        assert r["hit_tokens"] == {"hbm": 0, "dram": 0, "nvme": 512}
+        assert r["nvme_wait_s"]["total"] == pytest.approx(1.0)
+        assert r["strict_dram_share"] == 0.0
+    assert r["prefetch_tokens"]["started"] == 512
+
+
+def test_integrity_is_checked_every_step(tmp_path, monkeypatch):
+    calls = []
+    real = Engine.check
+    monkeypatch.setattr(Engine, "check", lambda self: (calls.append(self.clock()), real(self))[1])
+    trace = load_trace(chat_trace(tmp_path))
+    r = run_scenario(trace, ample(hbm_tokens=6 * BLOCK_TOKENS, dram_tokens=4 * BLOCK_TOKENS), "nvme", "lru")
+    assert len(calls) == r["steps"] and r["steps"] >= 2 * 24  # at least an arrival and an end per request
+
+
+def test_io_client_serves_each_channel_fifo():
+    clock = SimClock()
+    io = SimIOClient(clock, read_s_per_page=0.5, write_s_per_page=0.25)
+    io.submit(LoadPages(1, [0, 1], [0, 1]))  # read channel: done at 1.0
+    io.submit(LoadPages(2, [2], [2]))  # queued behind job 1: done at 1.5
+    io.submit(StorePages(3, [3], [3]))  # write channel, independent: done at 0.25
+    assert io.poll() == [] and io.next_done_s() == 0.25
+    assert [d.job_id for d in io.wait(10.0)] == [3] and clock() == 0.25
+    clock.advance_to(1.2)
+    assert [(d.job_id, d.ok) for d in io.poll()] == [(1, [True, True])]
+    assert io.in_flight() == {2}
+
+
+def test_device_pool_hands_out_whole_pages_and_refuses_double_free():
+    pool = SimDevicePool(num_tokens=10, page_size=4)  # 2 pages
+    slots = pool.alloc(8)
+    assert sorted(slots) == list(range(8)) and pool.alloc(4) is None
+    pool.free(slots[4:])
+    assert pool.available_size() == 4
+    with pytest.raises(ValueError):
+        pool.free(slots[4:])
+
+
+def test_cli_writes_json_and_png(tmp_path, capsys):
+    path = chat_trace(tmp_path)
+    out = tmp_path / "out"
+    assert main(["--trace", str(path), "--out-dir", str(out), "--jobs", "1", "--hbm-tokens", "4096"]) == 0
+    summary = json.loads((out / "simulate.json").read_text())
+    assert [r["scenario"] for r in summary["results"]] == [
+        f"{t}/{p}" for t in ("hbm", "dram", "nvme") for p in ("lru", "lookahead")
+    ]
+    assert summary["infinite"]["block_hit_rate"] == pytest.approx(47 / 72)
+    assert (out / "simulate.png").stat().st_size > 0
+    assert "infinite" in capsys.readouterr().out
+
+
+def test_integrity_check_catches_a_leaked_hbm_slot(tmp_path):
+    trace = load_trace(chat_trace(tmp_path))
+    engine = Engine(trace[:3], ample(), "dram", "lru")
+    engine.run()
+    engine.check()  # balanced after the run
+    assert engine.cache.device.alloc(engine.tree.page_size) is not None  # one page nobody owns
+    with pytest.raises(IntegrityError, match="HBM"):
+        engine.check()

@@ -1,0 +1,89 @@
+"""End to end: the NVMe tier survives a server restart (issue 6, restart persistence).
+
+Server 1 (tiny model, HBM 2,048 tokens, DRAM 0.006 GB, NVMe, ``write_back``) runs 8 sessions
+x 3 turns, then a 4th turn of every session; small requests drive the scheduler until no
+transfer is in flight; it is stopped. Server 2, same flags and NVMe path, must re-index the
+durable index (log line and metric), serve the 4th-turn prompts again with hits that can only
+come from the restored NVMe pages (HBM and DRAM start empty), first page included, and give
+token-identical greedy outputs. Server 3 changes ``--page-size`` (another fingerprint): the
+slots are not reused, with one log line naming what changed, and nothing hits.
+"""
+
+from __future__ import annotations
+
+import re
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.e2e import chat, metric, run_sessions, start, user_turn
+
+pytestmark = pytest.mark.e2e
+
+SESSIONS, TURNS, WORDS = 8, 3, 25
+SYSTEM = {"role": "system", "content": "You are a terse assistant."}
+
+
+def flags(nvme_dir: Path, page_size: int = 16) -> list[str]:
+    return [
+        "--max-running-requests", "2", "--page-size", str(page_size),
+        "--enable-hiradix", "--hiradix-dram-gb", "0.006", "--hiradix-write-policy", "write_back",
+        "--hiradix-nvme-path", str(nvme_dir), "--hiradix-nvme-gb", "0.2",
+    ]  # fmt: skip
+
+
+def last_turn_prompts(results: list[list[dict]]) -> list[list[dict]]:
+    """Every session's history (dataset of this test: its own answers) plus a new user turn."""
+    prompts = []
+    for s, session in enumerate(results):
+        messages = [SYSTEM]
+        for t, r in enumerate(session):
+            messages += [{"role": "user", "content": user_turn(s, t, WORDS)}, {"role": "assistant", "content": r["text"]}]
+        prompts.append(messages + [{"role": "user", "content": user_turn(s, TURNS, WORDS)}])
+    return prompts
+
+
+def settle(base_url: str, timeout_s: float = 120.0) -> None:
+    """Drive scheduler steps with 1-token requests until no transfer is in flight twice in a row."""
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
+    while quiet < 2:
+        assert time.monotonic() < deadline, "transfers still in flight"
+        chat(base_url, [{"role": "user", "content": "ping"}], max_tokens=1)
+        quiet = quiet + 1 if metric(base_url, "hiradix_transfers_in_flight") == 0 else 0
+
+
+def test_nvme_tier_survives_restart_and_other_fingerprint_is_not_reused(tiny_model: Path, tmp_path: Path):
+    nvme_dir = tmp_path / "nvme"
+    nvme_dir.mkdir()
+    with start(tiny_model, tmp_path / "s1.log", 2048, flags(nvme_dir)) as s1:
+        prompts = last_turn_prompts(run_sessions(s1.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS))
+        before = [chat(s1.base_url, p) for p in prompts]
+        settle(s1.base_url)
+        nvme_tokens = metric(s1.base_url, "hiradix_tier_tokens", tier="NVMe")
+    assert nvme_tokens > 0
+    index = nvme_dir / "hiradix-rank0" / "index.log"
+    assert stat.S_IMODE(index.stat().st_mode) == 0o600
+
+    with start(tiny_model, tmp_path / "s2.log", 2048, flags(nvme_dir)) as s2:
+        after = [chat(s2.base_url, p) for p in prompts]
+        restored = metric(s2.base_url, "hiradix_nvme_restored_pages")
+        log = s2.log_text()
+    logged = re.search(r"same fingerprint; re-indexed (\d+) pages", log)
+    assert logged and int(logged.group(1)) == restored > 0, log[-3000:]
+    # Nothing but the restored pages can serve the first request after a restart.
+    assert after[0]["cached"] >= 16 and after[0]["cached"] >= after[0]["prompt_tokens"] // 2, after[0]
+    assert after[0]["details"].get("device", 0) == 0
+    assert sum(r["cached"] for r in after) >= sum(r["prompt_tokens"] for r in after) // 2
+    assert [r["text"] for r in after] == [r["text"] for r in before]
+    assert [r["completion_tokens"] for r in after] == [r["completion_tokens"] for r in before]
+
+    with start(tiny_model, tmp_path / "s3.log", 2048, flags(nvme_dir, page_size=32)) as s3:
+        first = chat(s3.base_url, prompts[0])
+        restored = metric(s3.base_url, "hiradix_nvme_restored_pages")
+        log = s3.log_text()
+    assert restored == 0
+    assert len(re.findall(r"was written for another setup \(.*page_size: 16 -> 32", log)) == 1, log[-3000:]
+    assert first["cached"] == 0 and first["text"] == before[0]["text"]

@@ -1,0 +1,832 @@
+"""hiradix's flags, config validation, early refusals, self-checks, and "off = stock".
+
+Three kinds of test:
+- unit tests of `HiRadixConfig`, the model-architecture rules and the hook self-check;
+- in-process parsing through SGLang's own `add_cli_args`/`from_cli_args` (unwrapped)
+  followed by our hook functions, so no global monkey-patching leaks into this process;
+- real `python -m sglang.launch_server` subprocesses (own session, killed in `finally`)
+  for each refused combination: exit status 2 within 30 s, one "hiradix: ..." line on
+  stderr naming the flag, and no model loaded. These only need the launcher to reach
+  argument parsing/resolution; tests marked `e2e` start a real server on models/tiny.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import math
+import os
+import pickle
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import types
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hiradix.sglang_plugin import flags, hooks, model_check, plugin, refusals
+from hiradix.config import (
+    ENV_VAR,
+    HiRadixConfig,
+    HiRadixConfigError,
+    check_machine,
+)
+
+REFUSAL_TIME_LIMIT_S = 30.0
+WEIGHT_LOADING_MARKERS = ("Load weight begin", "Loading safetensors")
+
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 1000,
+    "max_position_embeddings": 2048,
+    "torch_dtype": "float32",
+}
+# DeepSeek-V2-Lite-like: Multi-head Latent Attention.
+MLA_CONFIG = {
+    **LLAMA_CONFIG,
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
+# gpt-oss-like: sliding-window layers interleaved with full-attention layers.
+SWA_HYBRID_CONFIG = {
+    **LLAMA_CONFIG,
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"],
+}
+# HRM-Text passes the config.json rules, but SGLang's resolution disables the radix cache.
+HRM_TEXT_CONFIG = {**LLAMA_CONFIG, "architectures": ["HrmTextForCausalLM"], "model_type": "hrm_text"}
+
+
+def write_model_dir(root: Path, name: str, config: dict) -> Path:
+    """A model directory holding only config.json (no weights, no tokenizer)."""
+    path = root / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture
+def llama_dir(tmp_path: Path) -> Path:
+    return write_model_dir(tmp_path, "llama", LLAMA_CONFIG)
+
+
+# --------------------------------------------------------------------- subprocesses
+
+
+@dataclasses.dataclass
+class Finished:
+    returncode: int
+    stdout: str
+    stderr: str
+    elapsed_s: float
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    def hiradix_lines(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.startswith("hiradix:")]
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """Kill the session we started for `proc` (the launcher and anything it spawned)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def run_python(
+    python: str, args: list[str], env: dict, cwd: Path, timeout_s: float = 90.0
+) -> Finished:
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [python, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=cwd,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_session(proc)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{args[:3]} did not exit within {timeout_s} s:\n{stdout}\n{stderr}")
+    finally:
+        _kill_session(proc)
+    return Finished(proc.returncode, stdout, stderr, time.monotonic() - start)
+
+
+def launch(python: str, args: list[str], env: dict, cwd: Path) -> Finished:
+    return run_python(python, ["-m", "sglang.launch_server", *args], env, cwd)
+
+
+def assert_refused(result: Finished, *expected: str, resolved: bool = False) -> str:
+    """Exit status 2, fast, one hiradix line containing `expected`, no model loaded."""
+    assert result.returncode == 2, result.output[-3000:]
+    assert result.elapsed_s < REFUSAL_TIME_LIMIT_S, result.elapsed_s
+    lines = result.hiradix_lines()
+    assert len(lines) == 1, result.stderr[-3000:]
+    for text in expected:
+        assert text in lines[0], lines[0]
+    for marker in WEIGHT_LOADING_MARKERS:
+        assert marker not in result.output
+    if not resolved:  # stopped in from_cli_args: SGLang never reached run_server
+        assert "hiradix: enabled" not in result.output
+        assert "server_args=" not in result.output
+    return lines[0]
+
+
+REFUSALS = [
+    # (id, extra args, text the hiradix line must contain)
+    ("disable-radix-cache", ["--disable-radix-cache"], ["--disable-radix-cache"]),
+    ("hierarchical-cache", ["--enable-hierarchical-cache"], ["--enable-hierarchical-cache"]),
+    ("hicache-alias", ["--enable-hicache"], ["--enable-hierarchical-cache"]),
+    ("lmcache", ["--enable-lmcache"], ["--enable-lmcache"]),
+    ("flexkv", ["--enable-flexkv"], ["--enable-flexkv"]),
+    ("other-backend", ["--radix-cache-backend", "flexkv"], ["--radix-cache-backend flexkv"]),
+    ("speculative", ["--speculative-algorithm", "EAGLE"], ["--speculative-algorithm EAGLE"]),
+    ("attn-dp", ["--attn-dp-size", "2"], ["--attn-dp-size 2", "DP attention"]),
+    ("dp-attention-deprecated", ["--dp-size", "2", "--enable-dp-attention"], ["--enable-dp-attention"]),
+    ("pd-disaggregation", ["--disaggregation-mode", "prefill"], ["--disaggregation-mode prefill"]),
+    ("pipeline-parallel", ["--pp-size", "2"], ["--pp-size 2"]),
+    ("nvme-gb-without-path", ["--hiradix-nvme-gb", "1"], ["--hiradix-nvme-gb 1 needs --hiradix-nvme-path"]),
+    ("dram-negative", ["--hiradix-dram-gb", "-1"], ["--hiradix-dram-gb must be > 0, got -1"]),
+    ("dram-over-ram", ["--hiradix-dram-gb", "1000000"], ["--hiradix-dram-gb 1000000 needs", "available"]),
+    ("nvme-not-writable", ["--hiradix-nvme-path", "/proc", "--hiradix-nvme-gb", "1"], ["--hiradix-nvme-path /proc is not writable"]),
+    ("dram-below-one-page", ["--hiradix-dram-gb", "0.00001"], ["--hiradix-dram-gb 1e-05 (10000 bytes) holds no KV page"]),
+    ("nvme-below-one-page", ["--hiradix-nvme-path", "/tmp", "--hiradix-nvme-gb", "0.00001"], ["--hiradix-nvme-gb 1e-05 (10000 bytes) holds no KV page"]),
+    ("page-size-below-one", ["--page-size", "-16"], ["--page-size must be >= 1 with --enable-hiradix, got -16"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("extra, expected", [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
+def test_launcher_refuses_before_loading(
+    venv_python, cpu_env, cpu_flags, llama_dir, tmp_path, extra, expected
+):
+    args = ["--model-path", str(llama_dir), *cpu_flags, "--enable-hiradix", *extra]
+    assert_refused(launch(venv_python, args, cpu_env, tmp_path), *expected)
+
+
+def test_launcher_refuses_nvme_path_that_is_a_file(venv_python, cpu_env, cpu_flags, llama_dir, tmp_path):
+    file_path = tmp_path / "not-a-dir"
+    file_path.write_text("x")
+    args = ["--model-path", str(llama_dir), *cpu_flags, "--enable-hiradix",
+            "--hiradix-nvme-path", str(file_path), "--hiradix-nvme-gb", "1"]  # fmt: skip
+    assert_refused(
+        launch(venv_python, args, cpu_env, tmp_path),
+        f"--hiradix-nvme-path {file_path} exists but is not a directory",
+    )
+
+
+def test_launcher_refuses_missing_nvme_path(venv_python, cpu_env, cpu_flags, llama_dir, tmp_path):
+    missing = tmp_path / "no" / "such"
+    args = ["--model-path", str(llama_dir), *cpu_flags, "--enable-hiradix",
+            "--hiradix-nvme-path", str(missing), "--hiradix-nvme-gb", "0.1"]  # fmt: skip
+    assert_refused(launch(venv_python, args, cpu_env, tmp_path), f"--hiradix-nvme-path {missing} does not exist")
+    assert not (tmp_path / "no").exists()
+
+
+def test_launcher_refuses_nvme_larger_than_free_disk(venv_python, cpu_env, cpu_flags, llama_dir, tmp_path):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    args = ["--model-path", str(llama_dir), *cpu_flags, "--enable-hiradix",
+            "--hiradix-nvme-path", str(nvme), "--hiradix-nvme-gb", "1e9"]  # fmt: skip
+    line = assert_refused(launch(venv_python, args, cpu_env, tmp_path), "--hiradix-nvme-gb 1000000000 needs")
+    assert f"--hiradix-nvme-path {nvme} has" in line and "GB free" in line
+
+
+@pytest.mark.parametrize(
+    "flag_args, flag",
+    [(["--hiradix-policy", "lru"], "--hiradix-policy"), (["--hiradix-dram-gb", "2"], "--hiradix-dram-gb")],
+)
+def test_launcher_refuses_hiradix_flag_without_enable(
+    venv_python, cpu_env, cpu_flags, llama_dir, tmp_path, flag_args, flag
+):
+    args = ["--model-path", str(llama_dir), *cpu_flags, *flag_args]
+    assert_refused(launch(venv_python, args, cpu_env, tmp_path), f"{flag} given without --enable-hiradix")
+
+
+def test_launcher_refuses_backend_name_without_enable(venv_python, cpu_env, cpu_flags, llama_dir, tmp_path):
+    args = ["--model-path", str(llama_dir), *cpu_flags, "--radix-cache-backend", "hiradix"]
+    assert_refused(
+        launch(venv_python, args, cpu_env, tmp_path),
+        "--radix-cache-backend hiradix requires --enable-hiradix",
+    )
+
+
+@pytest.mark.parametrize(
+    "config, expected",
+    [(MLA_CONFIG, "an MLA model (kv_lora_rank=512"), (SWA_HYBRID_CONFIG, "a hybrid-attention model")],
+    ids=["mla", "sliding-window-hybrid"],
+)
+def test_launcher_refuses_unsupported_architecture(
+    venv_python, cpu_env, cpu_flags, tmp_path, config, expected
+):
+    model_dir = write_model_dir(tmp_path, "model", config)
+    args = ["--model-path", str(model_dir), *cpu_flags, "--enable-hiradix"]
+    assert_refused(launch(venv_python, args, cpu_env, tmp_path), f"--model-path {model_dir} is", expected)
+
+
+def test_launcher_refuses_when_resolution_disables_radix_cache(venv_python, cpu_env, cpu_flags, tmp_path):
+    # config.json passes our rules; SGLang's resolution then forces --disable-radix-cache
+    # for HRM-Text. The resolve_once hook refuses in the launcher, before any subprocess.
+    model_dir = write_model_dir(tmp_path, "hrm", HRM_TEXT_CONFIG)
+    args = ["--model-path", str(model_dir), *cpu_flags, "--enable-hiradix"]
+    assert_refused(
+        launch(venv_python, args, cpu_env, tmp_path),
+        "SGLang's resolution (_handle_model_capability_adjustments) set --disable-radix-cache",
+        resolved=True,
+    )
+
+
+def test_help_lists_hiradix_flags(venv_python, cpu_env, tmp_path):
+    result = launch(venv_python, ["--help"], cpu_env, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    help_text = result.stdout.split("\nhiradix:\n", 1)[1]  # our argument group
+    for flag in ("--enable-hiradix", *flags.VALUE_FLAGS.values()):
+        assert flag in help_text
+    assert "{lru,lookahead}" in help_text and "{write_through,write_back}" in help_text
+
+
+def test_valid_config_is_accepted_by_the_launcher(venv_python, cpu_env, cpu_flags, llama_dir, tmp_path):
+    # The launcher passes every hiradix check and logs the config; with no tokenizer
+    # in llama_dir SGLang itself fails afterwards, which is not hiradix's concern.
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    args = ["--model-path", str(llama_dir), *cpu_flags, "--enable-hiradix",
+            "--hiradix-dram-gb", "0.5", "--hiradix-policy", "lru",
+            "--hiradix-nvme-path", str(nvme), "--hiradix-nvme-gb", "0.25",
+            "--hiradix-write-policy", "write_back", "--hiradix-load-timeout-s", "3"]  # fmt: skip
+    result = launch(venv_python, args, cpu_env, tmp_path)
+    assert result.hiradix_lines() == []
+    assert (
+        "hiradix: enabled (policy=lru, write_policy=write_back, dram_bytes=500000000, "
+        f"nvme={nvme} (250000000 bytes), load_timeout_s=3, page_size=16)"
+    ) in result.output
+    assert "'radix_cache_backend': 'hiradix'" in result.output
+    assert list(nvme.iterdir()) == []  # checking creates nothing
+
+
+# ------------------------------------------------------- self-check, in a subprocess
+
+_UNDO_FROM_CLI_ARGS_HOOK = textwrap.dedent(
+    """
+    import inspect, sys
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.server_args import ServerArgs, prepare_server_args
+    # As if SGLang had failed to apply our from_cli_args hook (it would only log that).
+    raw = ServerArgs.__dict__["from_cli_args"].__func__
+    ServerArgs.from_cli_args = classmethod(inspect.unwrap(raw))
+    args = prepare_server_args(sys.argv[1:])
+    print("PARSED", args.radix_cache_backend)
+    """
+)
+
+
+def test_enable_refuses_when_a_hook_is_not_installed(venv_python, cpu_env, llama_dir, tmp_path):
+    base = ["-c", _UNDO_FROM_CLI_ARGS_HOOK, "--model-path", str(llama_dir)]
+    refused = run_python(venv_python, [*base, "--enable-hiradix"], cpu_env, tmp_path)
+    assert refused.returncode == 2, refused.output[-3000:]
+    (line,) = refused.hiradix_lines()
+    assert "SGLang did not install hook(s) AFTER sglang.srt.server_args.ServerArgs.from_cli_args" in line
+    assert "PARSED" not in refused.stdout
+    # Without --enable-hiradix the same broken process parses as stock SGLang.
+    stock = run_python(venv_python, base, cpu_env, tmp_path)
+    assert stock.returncode == 0, stock.output[-3000:]
+    assert "PARSED None" in stock.stdout
+
+
+def test_enable_refuses_when_package_is_shadowed(venv_python, cpu_env, cpu_flags, llama_dir, tmp_path):
+    # A folder named hiradix in the working directory is imported as the package; with
+    # the editable install the plugin's own modules still load from the repository.
+    (tmp_path / "hiradix").mkdir()
+    (tmp_path / "hiradix" / "__init__.py").write_text("")
+    args = ["--model-path", str(llama_dir), *cpu_flags, "--enable-hiradix"]
+    assert_refused(
+        launch(venv_python, args, cpu_env, tmp_path),
+        f"the package 'hiradix' was imported from {tmp_path / 'hiradix'}",
+        "shadows the installed package",
+    )
+
+
+def test_plugin_that_fails_to_import_cannot_run_silently(venv_python, cpu_env, cpu_flags, llama_dir, tmp_path):
+    # A shadowing folder whose plugin module fails: SGLang only logs the failure and
+    # drops the plugin, so --enable-hiradix becomes an unknown flag (argparse exits 2).
+    (tmp_path / "hiradix" / "sglang_plugin").mkdir(parents=True)
+    (tmp_path / "hiradix" / "__init__.py").write_text("")
+    (tmp_path / "hiradix" / "sglang_plugin" / "__init__.py").write_text("")
+    (tmp_path / "hiradix" / "sglang_plugin" / "plugin.py").write_text("raise ImportError('not the plugin')\n")
+    args = ["--model-path", str(llama_dir), *cpu_flags, "--enable-hiradix"]
+    result = launch(venv_python, args, cpu_env, tmp_path)
+    assert result.returncode == 2
+    assert result.elapsed_s < REFUSAL_TIME_LIMIT_S
+    assert "Failed to load plugin hiradix" in result.output
+    assert "unrecognized arguments: --enable-hiradix" in result.stderr
+
+
+# ------------------------------------------------- plugin off = stock, in a subprocess
+
+_DUMP_PARSED_AND_RESOLVED = textwrap.dedent(
+    """
+    import json, sys
+    import msgspec
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.server_args import ServerArgs, prepare_server_args
+    from hiradix.sglang_plugin import hooks
+    args = prepare_server_args(sys.argv[1:])
+    fields = {k: repr(v) for k, v in msgspec.structs.asdict(args).items()}
+    bookkeeping = {k: repr(v) for k, v in vars(args).items()}
+    args.resolve_once()
+    resolved = {k: repr(v) for k, v in args.resolved_dict().items()}
+    print("DUMP" + json.dumps({
+        "fields": fields, "bookkeeping": bookkeeping, "resolved": resolved,
+        "plugin_loaded": "hiradix.sglang_plugin.plugin" in sys.modules,
+        "hooks_installed": [
+            hooks.is_installed(s.target, hooks._registered[s.target])
+            for s in hooks.HOOKS if s.target in hooks._registered
+        ],
+    }))
+    """
+)
+
+
+def _dump(python: str, argv: list[str], env: dict, cwd: Path) -> dict:
+    result = run_python(python, ["-c", _DUMP_PARSED_AND_RESOLVED, *argv], env, cwd)
+    assert result.returncode == 0, result.output[-3000:]
+    (line,) = [ln for ln in result.stdout.splitlines() if ln.startswith("DUMP")]
+    return json.loads(line[len("DUMP"):])
+
+
+def test_without_enable_hiradix_parsing_and_resolution_match_stock(
+    venv_python, cpu_env, cpu_flags, llama_dir, tmp_path
+):
+    argv = ["--model-path", str(llama_dir), *cpu_flags, "--random-seed", "1"]
+    with_plugin = _dump(venv_python, argv, cpu_env, tmp_path)
+    without_env = {**cpu_env, "SGLANG_PLUGINS": "no-such-plugin"}  # whitelist drops hiradix
+    without_plugin = _dump(venv_python, argv, without_env, tmp_path)
+    assert with_plugin["plugin_loaded"] and not without_plugin["plugin_loaded"]
+    # every launcher-side hook is installed (scheduler hooks only go into scheduler processes)
+    cli_hooks = [s for s in hooks.HOOKS if s.scope is hooks.Scope.CLI]
+    assert with_plugin["hooks_installed"] == [True] * len(cli_hooks)  # not vacuous
+    assert with_plugin["fields"] == without_plugin["fields"]
+    assert with_plugin["bookkeeping"] == without_plugin["bookkeeping"]
+    assert with_plugin["resolved"] == without_plugin["resolved"]
+    assert with_plugin["fields"]["page_size"] == "None"
+    assert with_plugin["fields"]["radix_cache_backend"] == "None"
+
+
+# ------------------------------------------------------------ in-process parsing
+
+
+def parse_in_process(argv: list[str], monkeypatch) -> object:
+    """SGLang's own parser + our hook functions, without patching ServerArgs."""
+    from sglang.srt.server_args import ServerArgs
+
+    monkeypatch.setattr(hooks, "missing", lambda scope, specs=hooks.HOOKS: [])
+    parser = argparse.ArgumentParser()
+    inspect.unwrap(ServerArgs.add_cli_args)(parser)
+    flags.after_add_cli_args(None, parser)
+    namespace = parser.parse_args(argv)
+    from_cli_args = inspect.unwrap(ServerArgs.__dict__["from_cli_args"].__func__)
+    result = from_cli_args(ServerArgs, namespace)
+    assert flags.after_from_cli_args(result, ServerArgs, namespace) is None
+    return result
+
+
+def test_valid_flags_become_config_backend_and_page_size(monkeypatch, llama_dir, tmp_path):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "nvme").mkdir()
+    args = parse_in_process(
+        ["--model-path", str(llama_dir), "--enable-hiradix", "--hiradix-dram-gb", "0.5",
+         "--hiradix-nvme-path", "nvme", "--hiradix-nvme-gb", "0.25",
+         "--hiradix-lookahead-window", "8", "--hiradix-load-timeout-s", "3.5"],
+        monkeypatch,
+    )  # fmt: skip
+    expected = HiRadixConfig(
+        dram_bytes=500_000_000,
+        nvme_path=(tmp_path / "nvme").resolve(),
+        nvme_bytes=250_000_000,
+        policy="lookahead",
+        lookahead_window=8,
+        write_policy="write_through",
+        load_timeout_s=3.5,
+    )
+    assert args._hiradix_config == expected
+    assert args.radix_cache_backend == "hiradix"
+    assert args.page_size == flags.DEFAULT_PAGE_SIZE_TOKENS == 16
+    assert HiRadixConfig.from_json(os.environ[ENV_VAR]) == expected
+    assert plugin.config_from_server_args(args) is args._hiradix_config
+    # Bookkeeping attributes ride ServerArgs.__reduce__ to the spawned schedulers.
+    assert pickle.loads(pickle.dumps(args))._hiradix_config == expected
+
+
+def test_explicit_page_size_is_kept(monkeypatch, llama_dir):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    args = parse_in_process(
+        ["--model-path", str(llama_dir), "--enable-hiradix", "--page-size", "32"], monkeypatch
+    )
+    assert args.page_size == 32
+
+
+def test_disabled_changes_nothing_and_clears_stale_env(monkeypatch, llama_dir):
+    from sglang.srt.server_args import ServerArgs
+    import msgspec
+
+    monkeypatch.setenv(ENV_VAR, HiRadixConfig().to_json())  # stale, e.g. from a shell
+    argv = ["--model-path", str(llama_dir), "--random-seed", "1"]
+    hooked = parse_in_process(argv, monkeypatch)
+    parser = argparse.ArgumentParser()
+    inspect.unwrap(ServerArgs.add_cli_args)(parser)
+    stock = inspect.unwrap(ServerArgs.__dict__["from_cli_args"].__func__)(
+        ServerArgs, parser.parse_args(argv)
+    )
+    assert msgspec.structs.asdict(hooked) == msgspec.structs.asdict(stock)
+    assert vars(hooked) == vars(stock)
+    assert ENV_VAR not in os.environ
+
+
+def test_config_from_server_args_falls_back_to_env(monkeypatch):
+    config = HiRadixConfig(policy="lru")
+    bare = types.SimpleNamespace()
+    monkeypatch.setenv(ENV_VAR, config.to_json())
+    assert plugin.config_from_server_args(bare) == config
+    monkeypatch.delenv(ENV_VAR)
+    with pytest.raises(HiRadixConfigError, match="no configuration"):
+        plugin.config_from_server_args(bare)
+
+
+def test_refusal_is_a_system_exit_with_one_line(monkeypatch, llama_dir, capsys):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    with pytest.raises(refusals.HiRadixRefusal) as caught:
+        parse_in_process(
+            ["--model-path", str(llama_dir), "--enable-hiradix", "--pp-size", "2"], monkeypatch
+        )
+    assert caught.value.code == 2
+    assert str(caught.value).startswith("hiradix: --enable-hiradix cannot be combined with --pp-size 2")
+    assert capsys.readouterr().err == str(caught.value) + "\n"
+
+
+# ------------------------------------------------------------- HiRadixConfig units
+
+
+def test_config_defaults():
+    config = HiRadixConfig.from_flags()
+    assert config == HiRadixConfig()
+    assert (config.dram_bytes, config.nvme_path, config.nvme_bytes) == (4_000_000_000, None, 0)
+    assert (config.policy, config.lookahead_window) == ("lookahead", 64)
+    assert (config.write_policy, config.load_timeout_s) == ("write_through", 2.0)
+    assert not config.has_nvme_tier
+    assert isinstance(config.dram_bytes, int)
+
+
+def test_config_converts_gb_and_resolves_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    config = HiRadixConfig.from_flags(dram_gb=1.5, nvme_path="link", nvme_gb=2)
+    assert config.dram_bytes == 1_500_000_000
+    assert config.nvme_bytes == 2_000_000_000
+    assert config.nvme_path == (tmp_path / "real").resolve()
+    assert config.nvme_path.is_absolute() and config.has_nvme_tier
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(dram_gb=-1), "--hiradix-dram-gb must be > 0, got -1"),
+        (dict(dram_gb=0), "--hiradix-dram-gb must be > 0, got 0"),
+        (dict(dram_gb=math.nan), "--hiradix-dram-gb must be a finite number, got nan"),
+        (dict(nvme_gb=-2), "--hiradix-nvme-gb must be >= 0, got -2"),
+        (dict(nvme_gb=1), "--hiradix-nvme-gb 1 needs --hiradix-nvme-path"),
+        (dict(nvme_path="/tmp/x"), "--hiradix-nvme-path /tmp/x is given but --hiradix-nvme-gb is 0"),
+        (dict(nvme_path="  ", nvme_gb=1), "--hiradix-nvme-path must not be empty"),
+        (dict(lookahead_window=0), "--hiradix-lookahead-window must be >= 1 (requests), got 0"),
+        (dict(policy="lru", lookahead_window=8),
+         "--hiradix-lookahead-window applies only to --hiradix-policy lookahead"),
+        (dict(policy="fifo"), "--hiradix-policy must be one of ['lru', 'lookahead'], got 'fifo'"),
+        (dict(write_policy="write_around"),
+         "--hiradix-write-policy must be one of ['write_through', 'write_back'], got 'write_around'"),
+        (dict(load_timeout_s=0), "--hiradix-load-timeout-s must be a finite number > 0 (seconds), got 0.0"),
+        (dict(load_timeout_s=math.inf), "--hiradix-load-timeout-s must be a finite number > 0"),
+    ],
+)  # fmt: skip
+def test_config_errors_name_the_flag(kwargs, message):
+    with pytest.raises(HiRadixConfigError) as caught:
+        HiRadixConfig.from_flags(**kwargs)
+    assert str(caught.value).startswith(message), str(caught.value)
+    assert isinstance(caught.value, ValueError)
+
+
+def test_config_constructor_validates_bytes_too():
+    with pytest.raises(HiRadixConfigError, match=r"^--hiradix-dram-gb must be > 0, got -0.5$"):
+        HiRadixConfig(dram_bytes=-500_000_000)
+    with pytest.raises(HiRadixConfigError, match="must be an absolute path"):
+        HiRadixConfig(nvme_path=Path("relative"), nvme_bytes=1)
+    with pytest.raises(HiRadixConfigError, match="must be an int"):
+        HiRadixConfig(lookahead_window=2.5)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [HiRadixConfig(), HiRadixConfig(nvme_path=Path("/mnt/nvme"), nvme_bytes=7, policy="lru", load_timeout_s=0.25)],
+)
+def test_config_json_and_pickle_round_trip(config):
+    text = config.to_json()
+    assert "\n" not in text and json.loads(text)["dram_bytes"] == config.dram_bytes
+    assert HiRadixConfig.from_json(text) == config
+    assert pickle.loads(pickle.dumps(config)) == config
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", "HIRADIX_CONFIG is not valid JSON"),
+        ("[1, 2]", "HIRADIX_CONFIG must be a JSON object"),
+        (json.dumps({**json.loads(HiRadixConfig().to_json()), "extra": 1}), "HIRADIX_CONFIG has unknown keys ['extra']"),
+        (json.dumps({"dram_bytes": 1}), "HIRADIX_CONFIG lacks keys ['load_timeout_s'"),
+        (HiRadixConfig().to_json().replace("4000000000", "-1000000000"), "--hiradix-dram-gb must be > 0, got -1"),
+    ],
+)
+def test_config_from_json_errors(text, message):
+    with pytest.raises(HiRadixConfigError, match=f"^{re.escape(message)}"):
+        HiRadixConfig.from_json(text)
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        HiRadixConfig().dram_bytes = 1  # type: ignore[misc]
+
+
+def test_check_machine(tmp_path):
+    available = psutil.virtual_memory().available
+    check_machine(HiRadixConfig(dram_bytes=1_000_000))
+    with pytest.raises(HiRadixConfigError, match="^--hiradix-dram-gb .* GB of RAM but only"):
+        check_machine(HiRadixConfig(dram_bytes=2 * available))
+    # Two ranks need twice the memory.
+    half = HiRadixConfig(dram_bytes=int(available * 0.6))
+    check_machine(half, ranks_on_this_node=1)
+    with pytest.raises(HiRadixConfigError, match=r"x 2 ranks needs"):
+        check_machine(half, ranks_on_this_node=2)
+    # A missing directory is refused (a typo must not create directories elsewhere), and
+    # the check creates nothing.
+    missing_dir = tmp_path / "a" / "b"
+    with pytest.raises(HiRadixConfigError, match=r"^--hiradix-nvme-path .*/a/b does not exist; create"):
+        check_machine(HiRadixConfig(nvme_path=missing_dir, nvme_bytes=1))
+    assert not (tmp_path / "a").exists()
+    check_machine(HiRadixConfig(nvme_path=tmp_path, nvme_bytes=1))
+
+
+# ------------------------------------------------------- model architecture rules
+
+
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        (LLAMA_CONFIG, None),
+        ({**LLAMA_CONFIG, "model_type": "qwen3", "layer_types": ["full_attention"] * 2,
+          "sliding_window": None, "use_sliding_window": False}, None),
+        ({**LLAMA_CONFIG, "model_type": "mistral", "sliding_window": 4096}, None),
+        (MLA_CONFIG, "an MLA model (kv_lora_rank=512"),
+        ({"architectures": ["KimiVLForConditionalGeneration"], "text_config": MLA_CONFIG}, "an MLA model"),
+        (SWA_HYBRID_CONFIG, "a hybrid-attention model (layer_types has ['full_attention', 'sliding_attention'])"),
+        ({**LLAMA_CONFIG, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096},
+         "a sliding-window model"),
+        ({**LLAMA_CONFIG, "model_type": "gemma3_text", "sliding_window_pattern": 6}, "a sliding-window hybrid"),
+        ({**LLAMA_CONFIG, "model_type": "jamba", "attn_layer_period": 8}, "a Mamba/SSM/linear-attention hybrid"),
+        ({**LLAMA_CONFIG, "model_type": "nemotron_h", "hybrid_override_pattern": "M-M*"}, "a Mamba/SSM"),
+        ({**LLAMA_CONFIG, "layer_types": ["linear_attention", "full_attention"]}, "a hybrid-attention model"),
+        ({"architectures": ["WhisperForConditionalGeneration"], "model_type": "whisper"}, "an encoder-decoder"),
+        ({"architectures": ["T5ForConditionalGeneration"], "is_encoder_decoder": True}, "an encoder-decoder"),
+        ({"architectures": ["X"], "text_config": {**LLAMA_CONFIG, "cross_attention_layers": [3, 8]}},
+         "an encoder-decoder (cross-attention)"),
+        ({**LLAMA_CONFIG, "attention_chunk_size": 8192}, "a chunked local-attention model"),
+    ],
+    ids=["llama", "qwen3-all-full", "mistral-pure-swa", "mla", "nested-mla", "swa-hybrid", "qwen2-swa",
+         "gemma3-pattern", "jamba", "nemotron-h", "linear-layers", "whisper", "t5", "mllama", "llama4-chunked"],
+)  # fmt: skip
+def test_unsupported_model_reason(config, expected):
+    reason = model_check.unsupported_model_reason(config)
+    if expected is None:
+        assert reason is None
+    else:
+        assert reason is not None and reason.startswith(expected), reason
+
+
+# ------------------------------------------------------------- hook self-check
+
+
+@pytest.fixture
+def dummy_target(monkeypatch):
+    """A module `hx_dummy_target` with a class holding a method, classmethod, staticmethod."""
+    module = types.ModuleType("hx_dummy_target")
+
+    class Target:
+        def method(self):
+            return "m"
+
+        @classmethod
+        def cmethod(cls):
+            return "c"
+
+        @staticmethod
+        def smethod():
+            return "s"
+
+    module.Target = Target
+    monkeypatch.setitem(sys.modules, "hx_dummy_target", module)
+    return Target
+
+
+def test_is_installed_follows_hook_registry_wrappers(dummy_target):
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    def ours(result, *args):
+        return None
+
+    def theirs(result, *args):
+        return None
+
+    # Not wrapped yet.
+    assert not hooks.is_installed("hx_dummy_target.Target.method", ours)
+    # Wrapped as HookRegistry does, ours inside another plugin's wrapper.
+    dummy_target.method = _wrap_fn(_wrap_fn(dummy_target.__dict__["method"], ours, HookType.AFTER),
+                                   theirs, HookType.AROUND)  # fmt: skip
+    assert hooks.is_installed("hx_dummy_target.Target.method", ours)
+    dummy_target.cmethod = classmethod(_wrap_fn(dummy_target.__dict__["cmethod"].__func__, ours, HookType.AFTER))
+    dummy_target.smethod = staticmethod(_wrap_fn(dummy_target.__dict__["smethod"].__func__, theirs, HookType.AFTER))
+    assert hooks.is_installed("hx_dummy_target.Target.cmethod", ours)
+    assert dummy_target.cmethod() == "c"
+    assert not hooks.is_installed("hx_dummy_target.Target.smethod", ours)
+    assert hooks.is_installed("hx_dummy_target.Target.smethod", theirs)
+    assert not hooks.is_installed("hx_dummy_target.Target.nothing_here", ours)
+
+
+def test_missing_reports_specs_never_registered(dummy_target):
+    spec = hooks.HookSpec(
+        target="hx_dummy_target.Target.method",
+        hook="hiradix.sglang_plugin.flags:after_add_cli_args",
+        hook_type="after",
+        scope=hooks.Scope.SCHEDULER,
+        purpose="test",
+    )
+    assert hooks.missing(hooks.Scope.SCHEDULER, specs=(spec,)) == [spec]
+    assert hooks.missing(hooks.Scope.CLI, specs=(spec,)) == []
+    message = hooks.describe_missing([spec])
+    assert "AFTER hx_dummy_target.Target.method (test)" in message
+
+
+def test_scheduler_scope_needs_scheduler_module_and_env(monkeypatch):
+    monkeypatch.delitem(sys.modules, hooks.SCHEDULER_MODULE, raising=False)
+    monkeypatch.setenv(ENV_VAR, HiRadixConfig().to_json())
+    assert hooks.current_scopes() == {hooks.Scope.CLI}
+    monkeypatch.setitem(sys.modules, hooks.SCHEDULER_MODULE, types.ModuleType("fake"))
+    assert hooks.current_scopes() == {hooks.Scope.CLI, hooks.Scope.SCHEDULER}
+    monkeypatch.delenv(ENV_VAR)
+    assert hooks.current_scopes() == {hooks.Scope.CLI}
+
+
+def test_package_is_not_shadowed_in_tests():
+    assert hooks.package_problem() is None
+
+
+def test_hook_table_targets_exist():
+    # Each target resolves in SGLang 0.5.23 and each hook function imports.
+    for spec in hooks.HOOKS:
+        assert callable(hooks._target_attribute(spec.target)), spec.target
+        assert callable(spec.load_hook()), spec.hook
+
+
+# ----------------------------------------------------------------- e2e (real server)
+
+
+def _free_port() -> int:
+    for port in range(32040, 32100, 2):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                with socket.socket() as s2:
+                    s2.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+    pytest.fail("no free port pair in 32040-32099: another process holds them all")
+
+
+def _sgl_kernel_importable(python: str) -> bool:
+    probe = subprocess.run([python, "-c", "import sgl_kernel"], capture_output=True)
+    return probe.returncode == 0
+
+
+def watch_server(python: str, args: list[str], env: dict, cwd: Path, until: str, timeout_s: float) -> str:
+    """Start a server, return its output once `until` appears (or it exits); kill it."""
+    proc = subprocess.Popen(
+        [python, "-m", "sglang.launch_server", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=cwd,
+        text=True,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    seen = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if until in line:
+                seen.set()
+        seen.set()  # exited
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        seen.wait(timeout_s)
+    finally:
+        _kill_session(proc)
+        reader.join(timeout=10)
+    return "".join(lines)
+
+
+@pytest.mark.e2e
+def test_config_reaches_the_scheduler(venv_python, cpu_env, cpu_flags, tiny_model, tmp_path):
+    if not _sgl_kernel_importable(venv_python):
+        pytest.fail("patches not applied (sgl_kernel stand-in missing): run scripts/setup or patches/apply.py")
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    args = ["--model-path", str(tiny_model), *cpu_flags, "--port", str(_free_port()),
+            "--enable-hiradix", "--hiradix-dram-gb", "0.5",
+            "--hiradix-nvme-path", str(nvme), "--hiradix-nvme-gb", "0.25"]  # fmt: skip
+    output = watch_server(venv_python, args, cpu_env, tmp_path, "hiradix: building the cache", 180)
+    summary = (
+        "policy=lookahead, lookahead_window=64, write_policy=write_through, "
+        f"dram_bytes=500000000, nvme={nvme} (250000000 bytes), load_timeout_s=2"
+    )
+    assert f"hiradix: enabled ({summary}, page_size=16)" in output, output[-4000:]
+    assert output.count("hiradix: enabled") == 1  # checked once, not again in children
+    # Logged by the factory in the scheduler process: the config arrived on the record.
+    assert (
+        f"hiradix: building the cache on tp_rank 0 (config from server_args._hiradix_config: {summary})"
+    ) in output, output[-4000:]
+    assert "Load weight end" in output  # the factory runs after the model loaded
+
+
+@pytest.mark.e2e
+def test_stock_server_with_plugin_installed_uses_default_cache(
+    venv_python, cpu_env, cpu_flags, tiny_model, tmp_path
+):
+    if not _sgl_kernel_importable(venv_python):
+        pytest.fail("patches not applied (sgl_kernel stand-in missing): run scripts/setup or patches/apply.py")
+    args = ["--model-path", str(tiny_model), *cpu_flags, "--port", str(_free_port())]
+    output = watch_server(venv_python, args, cpu_env, tmp_path, "Tree cache initialized", 180)
+    assert "Tree cache initialized: source=default impl=UnifiedRadixCache" in output, output[-4000:]
+    assert "hiradix" not in output
+
+
+def test_page_bytes_estimate_matches_the_pools_of_the_local_models():
+    """The launcher's one-page check uses the same bytes per page the tiers use once loaded
+    (logs: tiny 32768 B, small 262144 B per 16-token page at --dtype float32)."""
+    from hiradix.sglang_plugin.model_check import page_bytes_estimate
+
+    tiny = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256}
+    small = {"num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64,
+             "hidden_size": 1024}
+    assert page_bytes_estimate(tiny, 16, 1, "float32") == 32768
+    assert page_bytes_estimate(small, 16, 1, "float32") == 262144
+    assert page_bytes_estimate(small, 16, 2, "auto") == 262144 // 4  # half the heads, 2-byte dtype
+    assert page_bytes_estimate(small, 16, 1, "bfloat16", "fp8_e4m3") == 262144 // 4
+    assert page_bytes_estimate({"text_config": small}, 16, 1, "float32") == 262144
+    assert page_bytes_estimate({"architectures": ["X"]}, 16, 1, "auto") is None

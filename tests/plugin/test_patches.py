@@ -1,0 +1,645 @@
+"""Tests of patches/: the sgl_kernel stand-in, the patch mechanics, and stock SGLang on CPU.
+
+The stand-in helpers are checked against straightforward loops (the semantics of the
+Triton kernels they replace, read from SGLang 0.5.23's call sites), directly and through
+SGLang's own CPU wrappers. The patch tests run on copies of the installed files. The
+`e2e` tests start real `sglang.launch_server` processes on models/tiny (built by
+scripts/make_model.py when missing) on ports 31000-31099.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+PATCHES = REPO / "patches"
+STANDIN = PATCHES / "sgl_kernel_standin" / "sgl_kernel"
+PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
+PORTS = range(31000, 31100)
+
+if str(PATCHES) not in sys.path:
+    sys.path.insert(0, str(PATCHES))
+
+import _patchlib  # noqa: E402
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The stand-in's sources, loaded under private names (whatever sgl_kernel is installed).
+sk = _load("hiradix_standin_sgl_kernel", STANDIN / "__init__.py")
+kvio = _load("hiradix_standin_kvcacheio", STANDIN / "kvcacheio.py")
+
+
+# ---------------------------------------------------------------------------------------------
+# The stand-in helpers against reference loops
+# ---------------------------------------------------------------------------------------------
+
+def ref_assign_req_to_token_pool(req_pool_indices, req_to_token, start, end, out_cache_loc):
+    offset = 0
+    for i in range(len(req_pool_indices)):
+        row, s, e = int(req_pool_indices[i]), int(start[i]), int(end[i])
+        for col in range(s, e):
+            req_to_token[row, col] = int(out_cache_loc[offset])
+            offset += 1
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_assign_req_to_token_pool_cpu_matches_reference(seed):
+    rng = random.Random(seed)
+    num_reqs, pool_len, bs = 12, 64, rng.randint(1, 8)
+    rows = torch.tensor(rng.sample(range(num_reqs), bs), dtype=torch.int64)
+    start = torch.tensor([rng.randint(0, 40) for _ in range(bs)], dtype=torch.int64)
+    end = start + torch.tensor([rng.choice([0, 1, rng.randint(0, 24)]) for _ in range(bs)])
+    total = int((end - start).sum())
+    out_cache_loc = torch.randint(1, 10_000, (total + 3,), dtype=torch.int64)  # longer than needed
+    table = torch.randint(-5, 0, (num_reqs, pool_len), dtype=torch.int32)
+    want = table.clone()
+
+    sk.assign_req_to_token_pool_cpu(rows, table, start, end, out_cache_loc, pool_len)
+    ref_assign_req_to_token_pool(rows, want, start, end, out_cache_loc)
+
+    assert torch.equal(table, want)
+    assert table.dtype == torch.int32
+
+
+def test_assign_req_to_token_pool_cpu_rejects_wrong_pool_len():
+    table = torch.zeros(4, 16, dtype=torch.int32)
+    one = torch.tensor([0])
+    with pytest.raises(ValueError, match="pool_len"):
+        sk.assign_req_to_token_pool_cpu(one, table, one, one + 1, one, 8)
+
+
+def _kv_buffers(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    slots = 50
+    return [
+        torch.randn(slots, 2, 8, generator=gen),                         # K, float32
+        torch.randn(slots, 2, 8, generator=gen),                         # V, float32
+        torch.randn(slots, 4, 16, generator=gen).to(torch.bfloat16),     # another layer, bf16
+        torch.randint(0, 255, (slots, 24), generator=gen, dtype=torch.uint8),  # odd row size
+    ]
+
+
+def _ptrs_and_strides(buffers):
+    # As MHATokenToKVPool._init_data_ptrs_and_strides builds them.
+    ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.uint64)
+    strides = torch.tensor([b.stride(0) * b.dtype.itemsize for b in buffers])
+    return ptrs, strides
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_copy_all_layer_kv_cache_cpu_matches_reference(seed):
+    rng = random.Random(seed)
+    buffers = _kv_buffers(seed)
+    before = [b.clone() for b in buffers]
+    n = rng.randint(1, 20)
+    # Overlapping source and target slots: a shifted window, so some targets are sources.
+    first = rng.randint(0, 20)
+    src = torch.arange(first, first + n, dtype=torch.int64)
+    tgt = src + rng.choice([-1, 1, 3]) if first > 0 else src + 2
+    ptrs, strides = _ptrs_and_strides(buffers)
+
+    sk.copy_all_layer_kv_cache_cpu(ptrs, strides, tgt, src)
+
+    for b, orig in zip(buffers, before):
+        want = orig.clone()
+        for t, s in zip(tgt.tolist(), src.tolist()):  # every source read before any write
+            want[t] = orig[s]
+        assert torch.equal(b, want)
+
+
+def test_copy_all_layer_kv_cache_cpu_empty_and_identity():
+    buffers = _kv_buffers(7)
+    before = [b.clone() for b in buffers]
+    ptrs, strides = _ptrs_and_strides(buffers)
+    sk.copy_all_layer_kv_cache_cpu(ptrs, strides, torch.zeros(0, dtype=torch.int64),
+                                   torch.zeros(0, dtype=torch.int64))
+    # SGLang's warm-up call: slot 0 onto itself.
+    sk.copy_all_layer_kv_cache_cpu(ptrs, strides, torch.zeros(1, dtype=torch.int64),
+                                   torch.zeros(1, dtype=torch.int64))
+    assert all(torch.equal(b, o) for b, o in zip(buffers, before))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_transfer_kv_direct_matches_reference(page_size):
+    gen = torch.Generator().manual_seed(page_size)
+    host = [torch.randn(64, 2, 8, generator=gen) for _ in range(4)]
+    device = [torch.zeros(32, 2, 8) for _ in range(4)]
+    host_pages = torch.randperm(64 // page_size, generator=gen)[:5]
+    dev_pages = torch.randperm(32 // page_size, generator=gen)[:5]
+    within = torch.arange(page_size)
+    src = (host_pages[:, None] * page_size + within).flatten()
+    dst = (dev_pages[:, None] * page_size + within).flatten()
+
+    kvio.transfer_kv_direct(src_layers=host, dst_layers=device, src_indices=src,
+                            dst_indices=dst, page_size=page_size)
+
+    for h, d in zip(host, device):
+        want = torch.zeros_like(d)
+        for s, t in zip(src.tolist(), dst.tolist()):
+            want[t] = h[s]
+        assert torch.equal(d, want)
+
+
+def test_transfer_kv_direct_rejects_mismatches():
+    a, b = [torch.zeros(8, 2)], [torch.zeros(8, 2)]
+    with pytest.raises(ValueError):
+        kvio.transfer_kv_direct(a, b + b, torch.arange(2), torch.arange(2), 1)
+    with pytest.raises(ValueError):
+        kvio.transfer_kv_direct(a, b, torch.arange(2), torch.arange(3), 1)
+    with pytest.raises(ValueError):
+        kvio.transfer_kv_direct(a, b, torch.arange(3), torch.arange(3), 2)
+
+
+def test_speculative_names_exist_and_refuse():
+    for name in ["assign_draft_cache_locs_contiguous_cpu", "assign_extend_cache_locs_cpu",
+                 "build_tree_kernel_efficient_cpu", "fill_accept_out_cache_loc_cpu",
+                 "fill_bonus_tokens_cpu", "verify_tree_greedy_cpu"]:
+        with pytest.raises(NotImplementedError, match=name):
+            getattr(sk, name)()
+    with pytest.raises(AttributeError, match="stand-in"):
+        sk.some_cuda_only_kernel  # noqa: B018
+
+
+def test_standin_registers_no_torch_ops():
+    code = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(STANDIN.parent)!r})
+        import sgl_kernel, sgl_kernel.kvcacheio
+        assert sgl_kernel.HIRADIX_STANDIN
+        names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("sgl_kernel::")]
+        assert not names, names
+        assert not hasattr(torch.ops.sgl_kernel, "convert_weight_packed")
+    """)
+    subprocess.run([PYTHON, "-c", code], check=True, timeout=120)
+
+
+def test_sglang_cpu_wrappers_call_the_standin_correctly():
+    """SGLang's own CPU wrappers (argument order at the call sites) give the reference result."""
+    code = textwrap.dedent("""
+        import torch
+        import sgl_kernel
+        assert getattr(sgl_kernel, "HIRADIX_STANDIN", False), "stand-in not installed"
+        from sglang.srt.mem_cache.allocation import assign_req_to_token_pool_func
+        from sglang.kernels.ops.kvcache.cache_move import copy_all_layer_kv_cache_func
+
+        table = torch.zeros(4, 16, dtype=torch.int32)
+        assign_req_to_token_pool_func(torch.tensor([2, 0]), table, torch.tensor([3, 0]),
+                                      torch.tensor([5, 1]), torch.tensor([7, 8, 9]), 2)
+        assert table[2, 3:5].tolist() == [7, 8] and table[0, 0].item() == 9, table
+        assert int((table != 0).sum()) == 3
+
+        bufs = [torch.arange(40, dtype=torch.float32).view(10, 4) for _ in range(2)]
+        ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64)
+        strides = torch.tensor([b.stride(0) * b.dtype.itemsize for b in bufs])
+        tgt, src = torch.tensor([5, 6, 0, 0]), torch.tensor([1, 2, 0, 0])
+        copy_all_layer_kv_cache_func(ptrs, strides, tgt, src, 2, 2, {})
+        for b in bufs:
+            assert b[5].tolist() == [4, 5, 6, 7] and b[6].tolist() == [8, 9, 10, 11], b
+            assert b[0].tolist() == [0, 1, 2, 3]
+        print("ok")
+    """)
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
+    proc = subprocess.run([PYTHON, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Patch mechanics: idempotence, anchors, version check
+# ---------------------------------------------------------------------------------------------
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_apply_is_idempotent():
+    """Re-running apply.py changes nothing and reports every patch as done or skipped."""
+    import p01_sgl_kernel_standin as p01
+    import p02_torchvision_op_schemas as p02
+    import p03_hicache_host_pool_cpu as p03
+    import p04_torch_native_extend_new_queries as p04
+
+    first = subprocess.run([PYTHON, str(PATCHES / "apply.py")], capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    sp = Path(subprocess.check_output(
+        [PYTHON, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
+    files = [sp / "sglang/srt/mem_cache/pool_host/common.py", sp / "sglang/srt/mem_cache/pool_host/mha.py",
+             sp / "torchvision/extension.py", sp / "sglang/srt/layers/attention/torch_native_backend.py",
+             *sorted((sp / "sgl_kernel").glob("*.py"))]
+    files = [f for f in files if f.exists()]
+    before = {f: _sha(f) for f in files}
+    second = subprocess.run([PYTHON, str(PATCHES / "apply.py")], capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    lines = second.stdout.strip().splitlines()
+    assert len(lines) == 4, second.stdout
+    for module, line in zip((p01, p02, p03, p04), lines):
+        assert line.startswith(f"[patches] {module.NAME}: "), line
+        assert ": already applied (" in line or ": skipped (" in line, line
+    assert {f: _sha(f) for f in files} == before
+
+
+def test_edit_file_reports_missing_anchor_and_writes_nothing(tmp_path):
+    target = tmp_path / "mod.py"
+    target.write_text("x = 1\n")
+    with pytest.raises(_patchlib.PatchError) as err:
+        _patchlib.edit_file(target, "MARK", [_patchlib.Edit("y = 2\n", "# MARK\ny = 3\n")])
+    assert str(target) in str(err.value) and "anchor missing" in str(err.value) and "y = 2" in str(err.value)
+    assert target.read_text() == "x = 1\n"
+
+
+def test_edit_file_applies_once(tmp_path):
+    target = tmp_path / "mod.py"
+    target.write_text("a\nb\n")
+    edit = _patchlib.Edit("b\n", "# MARK\nb\nc\n")
+    assert _patchlib.edit_file(target, "MARK", [edit]) == _patchlib.APPLIED
+    once = target.read_text()
+    assert _patchlib.edit_file(target, "MARK", [edit]) == _patchlib.ALREADY
+    assert target.read_text() == once == "a\n# MARK\nb\nc\n"
+
+
+def test_edit_file_refuses_ambiguous_anchor(tmp_path):
+    target = tmp_path / "mod.py"
+    target.write_text("b\nb\n")
+    with pytest.raises(_patchlib.PatchError, match="found 2 times"):
+        _patchlib.edit_file(target, "MARK", [_patchlib.Edit("b\n", "# MARK\n")])
+
+
+def _unpatched_copies(tmp_path, p03):
+    """Copies of the two installed SGLang files with p03's edits taken out again."""
+    out = {}
+    for rel, anchor, replacement in [
+        ("sglang/srt/mem_cache/pool_host/common.py", p03.COMMON_ANCHOR, p03.COMMON_REPLACEMENT),
+        ("sglang/srt/mem_cache/pool_host/mha.py", p03.MHA_ANCHOR, p03.MHA_REPLACEMENT),
+    ]:
+        text = _patchlib.installed_file("sglang", rel).read_text().replace(replacement, anchor)
+        assert p03.MARKER not in text
+        copy = tmp_path / Path(rel).name
+        copy.write_text(text)
+        out[rel] = copy
+    return out
+
+
+def test_hicache_patch_on_copies_applies_once(tmp_path, monkeypatch):
+    import p03_hicache_host_pool_cpu as p03
+
+    copies = _unpatched_copies(tmp_path, p03)
+    monkeypatch.setattr(p03, "installed_file", lambda dist, rel: copies[rel])
+    status, _ = p03.apply()
+    assert status == _patchlib.APPLIED
+    patched = {rel: p.read_text() for rel, p in copies.items()}
+    assert all(p03.MARKER in t for t in patched.values())
+    compile(patched["sglang/srt/mem_cache/pool_host/mha.py"], "mha.py", "exec")
+    compile(patched["sglang/srt/mem_cache/pool_host/common.py"], "common.py", "exec")
+    status, _ = p03.apply()
+    assert status == _patchlib.ALREADY
+    assert {rel: p.read_text() for rel, p in copies.items()} == patched
+
+
+def test_hicache_patch_fails_loudly_without_anchor(tmp_path, monkeypatch):
+    import p03_hicache_host_pool_cpu as p03
+
+    copies = _unpatched_copies(tmp_path, p03)
+    mha = copies["sglang/srt/mem_cache/pool_host/mha.py"]
+    mha.write_text(mha.read_text().replace("if _is_npu:\n", "if _is_npu_renamed:\n"))
+    before = {rel: p.read_text() for rel, p in copies.items()}
+    monkeypatch.setattr(p03, "installed_file", lambda dist, rel: copies[rel])
+    with pytest.raises(_patchlib.PatchError) as err:
+        p03.apply()
+    assert str(mha) in str(err.value) and "transfer_kv_dim_exchange" in str(err.value)
+    # Nothing written, common.py included: no half-patched state.
+    assert {rel: p.read_text() for rel, p in copies.items()} == before
+
+
+def test_apply_exits_nonzero_with_file_and_anchor(tmp_path):
+    """The entry point turns a PatchError into exit status 1 with the message on stderr."""
+    code = textwrap.dedent(f"""
+        import runpy, sys
+        sys.path.insert(0, {str(PATCHES)!r})
+        import p03_hicache_host_pool_cpu as p03
+        p03.MHA_ANCHOR = "this anchor is not in the file\\n"
+        p03.MARKER = "hiradix-patch: a-marker-nobody-wrote"
+        p03.MHA_REPLACEMENT = "# " + p03.MARKER + "\\n"
+        p03.COMMON_REPLACEMENT = "# " + p03.MARKER + "\\n" + p03.COMMON_ANCHOR
+        # Point the patch at copies so that nothing installed can change.
+        import shutil, _patchlib
+        real = p03.installed_file
+        def copy(dist, rel):
+            dst = __import__("pathlib").Path({str(tmp_path)!r}) / rel.replace("/", "_")
+            shutil.copy(real(dist, rel), dst)
+            return dst
+        p03.installed_file = copy
+        sys.argv = ["apply.py"]
+        runpy.run_path({str(PATCHES / "apply.py")!r}, run_name="__main__")
+    """)
+    proc = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert "hicache-host-pool-cpu: FAILED" in proc.stderr
+    assert "mha.py: anchor missing" in proc.stderr and "this anchor is not in the file" in proc.stderr
+
+
+def test_standin_install_decisions(tmp_path, monkeypatch):
+    """p01 on an empty site-packages: installs, then finds it, updates a stale copy, and
+    leaves a real or a broken sgl_kernel alone."""
+    import p01_sgl_kernel_standin as p01
+
+    def fake_python_ok(result_for_import):
+        def run(code, timeout_s=120.0):
+            return (True, "") if "HIRADIX_STANDIN" in code else result_for_import
+        return run
+
+    monkeypatch.setattr(p01, "site_packages", lambda: tmp_path)
+    monkeypatch.setattr(p01, "python_ok", fake_python_ok((True, "")))
+    assert p01.apply()[0] == _patchlib.SKIPPED  # a real sgl_kernel imports
+    assert not (tmp_path / "sgl_kernel").exists()
+
+    monkeypatch.setattr(p01, "python_ok", fake_python_ok((False, "ImportError: libcuda.so.1: cannot open")))
+    with pytest.raises(_patchlib.PatchError, match="does not import"):
+        p01.apply()
+    assert not (tmp_path / "sgl_kernel").exists()
+
+    monkeypatch.setattr(p01, "python_ok", fake_python_ok(
+        (False, "ModuleNotFoundError: No module named 'sgl_kernel'")))
+    assert p01.apply()[0] == _patchlib.APPLIED
+    installed = {p.name: p.read_text() for p in (tmp_path / "sgl_kernel").glob("*.py")}
+    assert installed == {p.name: p.read_text() for p in STANDIN.glob("*.py")}
+    record = next(tmp_path.glob("hiradix_sgl_kernel_standin-*.dist-info")) / "RECORD"
+    assert "sgl_kernel/__init__.py,sha256=" in record.read_text()
+    assert p01.apply()[0] == _patchlib.ALREADY
+
+    (tmp_path / "sgl_kernel" / "kvcacheio.py").write_text("# an older version\n")
+    status, detail = p01.apply()
+    assert status == _patchlib.APPLIED and "kvcacheio.py" in detail
+    assert (tmp_path / "sgl_kernel" / "kvcacheio.py").read_text() == (STANDIN / "kvcacheio.py").read_text()
+
+
+def test_torchvision_patch_decisions(tmp_path, monkeypatch):
+    import p02_torchvision_op_schemas as p02
+
+    installed = _patchlib.installed_file("torchvision", "torchvision/extension.py").read_text()
+    copy = tmp_path / "extension.py"
+    copy.write_text(installed.replace(p02.BLOCK, ""))
+    assert p02.MARKER not in copy.read_text()
+    monkeypatch.setattr(p02, "installed_file", lambda dist, rel: copy)
+
+    monkeypatch.setattr(p02, "python_ok", lambda code: (True, ""))
+    assert p02.apply()[0] == _patchlib.SKIPPED  # the C extension loads: nothing to do
+
+    results = iter([(False, "RuntimeError: operator torchvision::nms does not exist"), (True, "")])
+    monkeypatch.setattr(p02, "python_ok", lambda code: next(results))
+    assert p02.apply()[0] == _patchlib.APPLIED
+    patched = copy.read_text()
+    assert patched.count(p02.MARKER) == 1 and "qnms(Tensor dets" in patched
+    compile(patched, "extension.py", "exec")
+    assert p02.apply()[0] == _patchlib.ALREADY
+    assert copy.read_text() == patched
+
+    copy.write_text(installed.replace(p02.BLOCK, "").replace('if _load_library("_C"):', "if _load():"))
+    monkeypatch.setattr(p02, "python_ok", lambda code: (False, "RuntimeError: operator torchvision::nms does not exist"))
+    with pytest.raises(_patchlib.PatchError, match="anchor missing"):
+        p02.apply()
+
+
+def test_patches_require_sglang_0_5_23(monkeypatch):
+    import p01_sgl_kernel_standin as p01
+    import p02_torchvision_op_schemas as p02
+    import p03_hicache_host_pool_cpu as p03
+
+    monkeypatch.setattr(_patchlib, "installed_version", lambda dist: "0.5.22")
+    for module in (p01, p02, p03):
+        with pytest.raises(_patchlib.PatchError, match="sglang==0.5.23"):
+            module.apply()
+
+
+def test_torchvision_imports():
+    proc = subprocess.run([PYTHON, "-c", "import torchvision, transformers; "
+                           "from transformers import LlamaConfig; print(torchvision.__version__)"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: stock SGLang on models/tiny
+# ---------------------------------------------------------------------------------------------
+
+BASE_CMD = ["-m", "sglang.launch_server", "--device", "cpu", "--attention-backend", "torch_native",
+            "--sleep-on-idle", "--dtype", "float32", "--enable-cache-report"]
+HICACHE_FLAGS = ["--enable-hierarchical-cache", "--hicache-io-backend", "direct",
+                 "--hicache-mem-layout", "layer_first"]
+START_TIMEOUT_S = 300
+
+
+def _free_ports(n: int) -> list[int]:
+    found = []
+    for port in PORTS:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == n:
+            return found
+    raise RuntimeError(f"no {n} free ports in {PORTS}")
+
+
+def _post(port: int, path: str, body: dict, timeout_s: float = 300) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.load(r)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (launcher, scheduler, detokenizer), then SIGKILL."""
+    if proc.poll() is None:
+        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)  # the group this test created with start_new_session
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # children that outlived the launcher
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _start_server(model: Path, extra: list[str], log_path: Path):
+    port, nccl_port = _free_ports(2)
+    cmd = [PYTHON, *BASE_CMD, "--model-path", str(model), "--port", str(port),
+           "--nccl-port", str(nccl_port), *extra]
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONUNBUFFERED": "1"}
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                            start_new_session=True)
+    t0 = time.monotonic()
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited ({proc.returncode}):\n{log_path.read_text()[-4000:]}")
+            if time.monotonic() - t0 > START_TIMEOUT_S:
+                raise RuntimeError(f"no /health after {START_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+    except BaseException:
+        _stop(proc)
+        log.close()
+        raise
+    return proc, port, log, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir() -> Path:
+    out = REPO / "models" / "tiny"
+    subprocess.run([PYTHON, str(REPO / "scripts" / "make_model.py"), "--preset", "tiny", "--out", str(out)],
+                   check=True, timeout=600)
+    return out
+
+
+def _server_fixture(model: Path, extra: list[str], log_path: Path):
+    proc, port, log, start_s = _start_server(model, extra, log_path)
+    try:
+        print(f"server on port {port} answered /health after {start_s:.1f} s (log: {log_path})")
+        yield port
+    finally:
+        _stop(proc)
+        log.close()
+
+
+@pytest.fixture(scope="class")
+def radix_server(tiny_model_dir, tmp_path_factory):
+    """Stock RadixAttention: --max-total-tokens 8192."""
+    log = tmp_path_factory.mktemp("radix") / "server.log"
+    yield from _server_fixture(tiny_model_dir, ["--max-total-tokens", "8192"], log)
+
+
+@pytest.fixture(scope="class")
+def hicache_server(tiny_model_dir, tmp_path_factory):
+    """Stock HiCache with a 4,096-token device pool (host pool: twice that, the default ratio)."""
+    log = tmp_path_factory.mktemp("hicache") / "server.log"
+    yield from _server_fixture(tiny_model_dir, ["--max-total-tokens", "4096", *HICACHE_FLAGS], log)
+
+
+@pytest.mark.e2e
+class TestStockRadixCache:
+    """Stock SGLang (RadixAttention) on models/tiny; one server for the class."""
+
+    @pytest.mark.timeout(900)
+    def test_chat_completion_reports_cached_tokens(self, radix_server):
+        body = {"model": "tiny", "temperature": 0, "max_tokens": 8,
+                "messages": [{"role": "user", "content": "Tell me about the river near the mountain, "
+                                                         "the people of the world and their long story."}]}
+        first = _post(radix_server, "/v1/chat/completions", body)
+        second = _post(radix_server, "/v1/chat/completions", body)
+        assert first["choices"][0]["message"]["content"]
+        assert first["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+        assert second["usage"]["prompt_tokens"] > 20
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+    @pytest.mark.timeout(900)
+    def test_greedy_output_matches_transformers(self, radix_server, tiny_model_dir):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+        n_new = 30
+        for prompt in ["The people of the world said that the river near the mountain is deep.",
+                       "def get_value(self, key: int) -> int:\n    return self.cache.get(key, 7)"]:
+            ids = tok(prompt)["input_ids"]
+            out = _post(radix_server, "/generate", {"input_ids": ids, "sampling_params": {
+                "temperature": 0, "max_new_tokens": n_new, "ignore_eos": True}})
+            with torch.no_grad():
+                hf = model.generate(torch.tensor([ids]), max_new_tokens=n_new, min_new_tokens=n_new,
+                                    do_sample=False)[0, len(ids):].tolist()
+            assert out["output_ids"] == hf, prompt
+
+
+@pytest.mark.e2e
+class TestStockHiCache:
+    """Stock HiCache (patch p03) on models/tiny; one server for the class."""
+
+    @pytest.mark.timeout(900)
+    def test_stock_hicache_brings_back_evicted_prefix_from_host(self, hicache_server):
+        rng = random.Random(1)
+        n = 1500
+
+        def gen(ids):
+            out = _post(hicache_server, "/generate", {"input_ids": ids, "sampling_params": {
+                "temperature": 0, "max_new_tokens": 16, "ignore_eos": True}})
+            return out["output_ids"], out["meta_info"]
+
+        prompt = [rng.randrange(10, 4000) for _ in range(n)]
+        first, _ = gen(prompt)
+        for _ in range(3):  # 3 x 1,516 tokens push the prompt out of the 4,096-token device pool
+            gen([rng.randrange(10, 4000) for _ in range(n)])
+        again, meta = gen(prompt)
+        assert again == first
+        details = meta.get("cached_tokens_details") or {}
+        assert details.get("host", 0) > 0, meta
+        assert meta["cached_tokens"] >= n - 1
+
+
+@pytest.mark.parametrize("prefix_lens,extend_lens", [([0, 48, 16], [20, 9, 33]), ([96], [1])])
+def test_extend_attention_with_cached_prefix_matches_full_recompute(prefix_lens, extend_lens):
+    """p04: a request with a cached prefix attends from its new queries only; the result equals
+    what the stock path (full causal attention over prefix + new, keep the new rows) gives."""
+    import torch
+
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 8, 2, 32
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    pool = sum(seq_lens) + 8
+    k_cache, v_cache = torch.randn(pool, kv_heads, dim), torch.randn(pool, kv_heads, dim)
+    req_to_token = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int64)
+    perm, at = torch.randperm(pool), 0
+    for r, n in enumerate(seq_lens):
+        req_to_token[r, :n] = perm[at : at + n]
+        at += n
+    query = torch.randn(sum(extend_lens), heads, dim)
+    backend = TorchNativeAttnBackend.__new__(TorchNativeAttnBackend)
+    out = torch.empty_like(query)
+    backend._run_sdpa_forward_extend(
+        query, out, k_cache, v_cache, req_to_token, torch.arange(len(seq_lens)), torch.tensor(seq_lens),
+        torch.tensor(prefix_lens), torch.tensor(extend_lens), scaling=dim ** -0.5, enable_gqa=True, causal=True)
+    start = 0
+    for r, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
+        idx = req_to_token[r, : p + e]
+        k = k_cache[idx].movedim(0, 1).repeat_interleave(heads // kv_heads, 0)
+        v = v_cache[idx].movedim(0, 1).repeat_interleave(heads // kv_heads, 0)
+        full_q = torch.zeros(heads, p + e, dim)
+        full_q[:, p:] = query[start : start + e].movedim(0, 1)
+        ref = torch.nn.functional.scaled_dot_product_attention(full_q, k, v, is_causal=True, scale=dim ** -0.5)
+        torch.testing.assert_close(out[start : start + e], ref[:, p:].movedim(0, 1), rtol=1e-5, atol=1e-5)
+        start += e
