@@ -313,7 +313,7 @@ def check_machine(config: HiRadixConfig, *, ranks_on_this_node: int = 1) -> None
     dram_available = psutil.virtual_memory().available
     if dram_needed > dram_available:
         raise HiRadixConfigError(
-            f"--hiradix-dram-gb {_gb(config.dram_bytes)}{times} needs "
+            f"{FLAG_OF_FIELD['dram_bytes']} {_gb(config.dram_bytes)}{times} needs "
             f"{dram_needed / BYTES_PER_GB:.2f} GB of RAM but only "
             f"{dram_available / BYTES_PER_GB:.2f} GB is available"
         )
@@ -323,22 +323,22 @@ def check_machine(config: HiRadixConfig, *, ranks_on_this_node: int = 1) -> None
     if path.exists():
         if not path.is_dir():
             raise HiRadixConfigError(
-                f"--hiradix-nvme-path {path} exists but is not a directory"
+                f"{FLAG_OF_FIELD['nvme_path']} {path} exists but is not a directory"
             )
         if not _is_writable_dir(path):
-            raise HiRadixConfigError(f"--hiradix-nvme-path {path} is not writable")
+            raise HiRadixConfigError(f"{FLAG_OF_FIELD['nvme_path']} {path} is not writable")
         base = path
     else:
         # A typo must not silently create directories (and fill a disk) somewhere else.
         raise HiRadixConfigError(
-            f"--hiradix-nvme-path {path} does not exist; create the directory first "
+            f"{FLAG_OF_FIELD['nvme_path']} {path} does not exist; create the directory first "
             f"(nearest existing parent: {_nearest_existing(path)})"
         )
     nvme_needed = config.nvme_bytes * ranks
     nvme_free = shutil.disk_usage(base).free
     if nvme_needed > nvme_free:
         raise HiRadixConfigError(
-            f"--hiradix-nvme-gb {_gb(config.nvme_bytes)}{times} needs "
+            f"{FLAG_OF_FIELD['nvme_bytes']} {_gb(config.nvme_bytes)}{times} needs "
             f"{nvme_needed / BYTES_PER_GB:.2f} GB but the file system of "
-            f"--hiradix-nvme-path {path} has {nvme_free / BYTES_PER_GB:.2f} GB free"
+            f"{FLAG_OF_FIELD['nvme_path']} {path} has {nvme_free / BYTES_PER_GB:.2f} GB free"
         )

@@ -8,16 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from hiradix.testing.server import cpu_args
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# Flags that let `sglang.launch_server` run on a CPU-only machine (see DESIGN.md).
-CPU_SERVER_FLAGS: tuple[str, ...] = (
-    "--device", "cpu",
-    "--attention-backend", "torch_native",
-    "--max-total-tokens", "4096",
-    "--sleep-on-idle",
-    "--dtype", "float32",
-)  # fmt: skip
+# Flags that let `sglang.launch_server` run on a CPU-only machine (hiradix.testing.server.cpu_args).
+CPU_SERVER_FLAGS: tuple[str, ...] = tuple(cpu_args(4096))
 
 
 @pytest.fixture(scope="session")
@@ -65,7 +61,7 @@ def tiny_model(venv_python: str) -> Path:
 
 @pytest.fixture(scope="session")
 def stock_outputs(tiny_model: Path, tmp_path_factory) -> list[list[dict]]:
-    """Greedy outputs of stock SGLang on the e2e workload (``tests.e2e_helpers``): 20 sessions
+    """Greedy outputs of stock SGLang on the e2e workload (``tests.helpers.e2e``): 20 sessions
     x 4 turns, an HBM pool that keeps everything, a queue (2 running). Once per session."""
     from tests.helpers.e2e import SESSIONS, TURNS, WORDS, run_sessions, start
 

@@ -121,8 +121,11 @@ class LayerwiseLoader:
                 if self.cuda
                 else load.next_layer >= self.num_layers
             )
-            (done if landed else still).append(load.op_id)
-        self._active = [l for l in self._active if l.op_id in set(still)]
+            if landed:
+                done.append(load.op_id)
+            else:
+                still.append(load)
+        self._active = still
         return done
 
     def reset(self) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from hiradix.config import HiRadixConfig
+from hiradix.config import FLAG_OF_FIELD, HiRadixConfig
 from hiradix.sglang_plugin.model_check import page_bytes_estimate
 from hiradix.tiers.nvme import slot_bytes_for
 
@@ -98,10 +98,10 @@ def refuse_tiers_below_one_page(config: HiRadixConfig, hf_config: dict, server_a
     if page_bytes is None:
         return
     if config.dram_bytes < page_bytes:
-        refuse(f"--hiradix-dram-gb {config.dram_bytes / 1e9:g} ({config.dram_bytes} bytes) holds no KV page "
+        refuse(f"{FLAG_OF_FIELD['dram_bytes']} {config.dram_bytes / 1e9:g} ({config.dram_bytes} bytes) holds no KV page "
                f"of this model ({page_bytes} bytes per page of {page_size} tokens)")
     if 0 < config.nvme_bytes < slot_bytes_for(page_bytes):
-        refuse(f"--hiradix-nvme-gb {config.nvme_bytes / 1e9:g} ({config.nvme_bytes} bytes) holds no KV page "
+        refuse(f"{FLAG_OF_FIELD['nvme_bytes']} {config.nvme_bytes / 1e9:g} ({config.nvme_bytes} bytes) holds no KV page "
                f"of this model ({slot_bytes_for(page_bytes)} bytes per slot)")
 
 

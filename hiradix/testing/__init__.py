@@ -1,8 +1,11 @@
-"""Helpers for tests and benchmarks that run real SGLang servers.
+"""Helpers for tests, benchmarks and the simulator.
 
-`ServerProcess` starts `python -m sglang.launch_server` as a subprocess in its own
-process session and stops the whole session on exit; `cpu_args` / `cpu_env` hold the
-settings SGLang 0.5.23 needs on a CPU-only machine.
+- `server`: `ServerProcess` starts `python -m sglang.launch_server` as a subprocess in its own
+  process session and stops the whole session on exit; `cpu_args` / `cpu_env` hold the
+  settings SGLang 0.5.23 needs on a CPU-only machine.
+- `resources`: what a server's process tree holds (memory, fds, sockets, /dev/shm), for soaks.
+- `sim_ports`: data-less implementations of the core's ports (virtual clock, device pool, host
+  mover, I/O client) that the trace simulator drives the server's own prefix cache through.
 """
 
 from hiradix.testing.server import (

@@ -1,7 +1,7 @@
 """scripts/gpu_check on a CPU machine: argument parsing, offline install, skip paths, JSON output.
 
 The CPU run (``--allow-cpu --quick``) executes every check's code path with tiny sizes: the
-layer-wise loader with ``hiradix.layout.load_layer``, NvmeStore's posix backend, and the torch
+layer-wise loader with ``hiradix.dataplane.layout.load_layer``, NvmeStore's posix backend, and the torch
 reference of the attention check. The figures it writes are not GPU figures; the GPU test at the
 end runs the real thing when a CUDA device is present.
 """

@@ -1,4 +1,4 @@
-"""The trace simulator (``bench/simulate.py`` over ``hiradix.simulated``) on scripted traces.
+"""The trace simulator (``bench/simulate.py`` over ``hiradix.testing.sim_ports``) on scripted traces.
 
 Small Mooncake-format traces written to a temp dir; every simulated step ends with
 ``books.check_integrity()`` plus the HBM slot balance (``SimConfig.check_every_step``).

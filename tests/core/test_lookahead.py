@@ -1,6 +1,6 @@
 """The look-ahead window and policy (CachedAttention §3.3) against LRU, on scripted queues.
 
-Pure bookkeeping: a tree, its DRAM/NVMe books, and ``hiradix.lookahead.plan`` fed the token
+Pure bookkeeping: a tree, its DRAM/NVMe books, and ``hiradix.core.lookahead.plan`` fed the token
 keys of the waiting queue. Exact expected sets per tier; invariants after every step.
 """
 

@@ -7,7 +7,7 @@
   DRAM and NVMe (per-request cached_tokens_details), outputs identical to a stock server
   whose HBM holds everything.
 * Faults (a slow disk, a crashing worker, ENOSPC, bad reads, a truncated file): see
-  tests/test_e2e_faults.py.
+  tests/e2e/test_e2e_faults.py.
 
 Servers are stopped by PID (whole process group) also when an assertion fails.
 """

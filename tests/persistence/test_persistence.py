@@ -1,7 +1,7 @@
 """Restart persistence without a server: the NVMe index journal, re-indexing, the fingerprint.
 
 Real files in ``tmp_path``; the tree and books are driven as the tier controller drives them
-(``tests.test_transfers.Harness``), with ``check_integrity`` after every step.
+(``tests.helpers.core.Harness``), with ``check_integrity`` after every step.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Bad input (issue 6, item 4): what test_flags does not cover yet, mostly against a real server.
 
 Already covered elsewhere: invalid and contradictory flags, a missing NVMe path, a path that is a
-file or not writable (/proc), NVMe or DRAM sizes beyond free disk or RAM (tests/test_flags.py);
-O_DIRECT refused by the NVMe store itself (tests/test_tiers.py).
+file or not writable (/proc), NVMe or DRAM sizes beyond free disk or RAM (tests/plugin/test_flags.py);
+O_DIRECT refused by the NVMe store itself (tests/tiers/test_tiers.py).
 
 Here, without a server: a directory without write permission is refused (non-root only; root
 writes anywhere). With one (e2e): one stock server computes the reference greedy outputs, then

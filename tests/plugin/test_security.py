@@ -1,11 +1,11 @@
 """Security (issue 6, item 6): nothing is unpickled, and flag paths are resolved and checked.
 
 Covered elsewhere: the DRAM pool's files are 0600 in a 0700 directory and a shared or
-symlinked directory is refused (tests/test_tiers.py); the NVMe slot file is 0600 in a 0700
-directory (tests/test_tiers.py); the worker's socket directory is 0700 and removed on close,
+symlinked directory is refused (tests/tiers/test_tiers.py); the NVMe slot file is 0600 in a 0700
+directory (tests/tiers/test_tiers.py); the worker's socket directory is 0700 and removed on close,
 and the worker rejects undecodable messages, unknown types and out-of-range page ids or slots
-without crashing (tests/test_io_worker.py); the same modes on a live server
-(tests/test_soak.py, tests/test_bad_input.py).
+without crashing (tests/io/test_io_worker.py); the same modes on a live server
+(tests/benchmarks/test_soak.py, tests/plugin/test_bad_input.py).
 
 Here: no hiradix module contains a way to unpickle (a static scan, so a future `import
 pickle` fails the suite), a pickle sent to the worker is refused as malformed, and NVMe paths
