@@ -379,7 +379,8 @@ class Engine:
         if need > self.device.available_size() + tree.hbm_evictable_tokens:
             tree.dec_lock(m.hbm_node)
             return False
-        loaded, waited, last = cache.load_back(m.hbm_node, m.dram_node, m.dram_len)
+        back = cache.load_back(m.hbm_node, m.dram_node, m.dram_len)
+        loaded, waited, last = back.loaded, back.waited, back.node
         if last is not m.hbm_node:
             tree.inc_lock(last)
             tree.dec_lock(m.hbm_node)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from hiradix.core.ledger import Kind
 
 PREFETCH_OUTCOMES = ("started", "completed", "failed", "used", "wasted")
+STORE_OUTCOMES = ("used",)  # the store tier's other counts live in StoreTier.counts
 
 
 @dataclass
@@ -20,12 +21,14 @@ class TierStats:
             failed, used (promoted to HBM for a request, whether the look-ahead window or a
             waiting request started the read), wasted (dropped from DRAM before any use; the
             ledger counts those, ``TierBooks.wasted_prefetch_tokens``).
-        admission_skips: times admission skipped a request waiting for its NVMe reads.
+        store_tokens: tokens fetched from the cluster store that were promoted to HBM (used).
+        admission_skips: times admission skipped a request waiting for its NVMe or store reads.
         restored_pages: NVMe pages re-indexed from the durable index at start.
     """
 
     bytes_moved: dict[str, int] = field(default_factory=lambda: {k.name: 0 for k in Kind})
     transfers_failed: dict[str, int] = field(default_factory=lambda: {k.name: 0 for k in Kind})
     prefetch_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREFETCH_OUTCOMES, 0))
+    store_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STORE_OUTCOMES, 0))
     admission_skips: int = 0
     restored_pages: int = 0

@@ -22,6 +22,7 @@ from typing import Optional
 import xxhash
 
 import hiradix
+from hiradix.core.keys import HASH_NAME
 from hiradix.dataplane.layout import KVLayout
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -85,5 +86,6 @@ def kv_fingerprint(
         "tp_size": str(tp_size),
         "slot_bytes": str(slot_bytes),
         "hiradix_version": hiradix.__version__,
+        "page_hash": HASH_NAME,
         "byte_order": sys.byteorder,
     }

@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from hiradix.core.lookahead import QueueView
 from hiradix.core.policy import make_policy
 from hiradix.core.prefix_cache import TieredPrefixCache
+from hiradix.core.node import Tier
 from hiradix.core.tree import TieredRadixTree, TreeNode
 
 if TYPE_CHECKING:
@@ -197,11 +198,15 @@ class HiRadixCache(BasePrefixCache):
             since the match or device memory cannot be found (the request recomputes).
         """
         req = params.req
-        loaded, waited, node = self.core.load_back(req.last_node, params.best_match_node, params.host_hit_length)
-        if loaded:
-            req.storage_hit_length = waited
+        back = self.core.load_back(req.last_node, params.best_match_node, params.host_hit_length)
+        if back.loaded:
+            # SGLang's "storage" hits: tokens read from the cluster store (whoever started the
+            # read), and tokens read from NVMe while the request waited (read ahead: "host").
+            storage = {Tier.NVME: back.waited_from[Tier.NVME], Tier.STORE: back.read_from[Tier.STORE]}
+            req.storage_hit_length = sum(storage.values())
             req.storage_hit_start = None
-        return loaded, node
+            req.hiradix_storage = {tier: n for tier, n in storage.items() if n}
+        return back.loaded, back.node
 
     def ready_to_load_host_cache(self) -> int:
         """Start the promotions queued while building this batch; returns its consumer index."""
