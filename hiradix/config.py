@@ -101,25 +101,20 @@ def _gb_to_bytes(flag: str, gb: float) -> int:
 
 
 def _store_config_text(flag: str, value: Any) -> str:
-    """``--hiradix-store-config``: JSON text, or the path of a JSON file; kept as canonical JSON."""
+    """``--hiradix-store-config``: JSON text, or the path of a JSON file; kept as canonical JSON.
+
+    Raises:
+        HiRadixConfigError: unreadable, not JSON, or a key the store config does not have or
+            with a bad value (``hiradix.tiers.store.StoreConfig``), naming the flag and the key.
+    """
     if value is None:
         return ""
-    text = str(value).strip()
-    if text and not text.startswith("{"):
-        path = Path(text).expanduser()
-        if not path.is_file():
-            raise HiRadixConfigError(f"{flag} {text!r} is neither a JSON object nor the path of a JSON file")
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise HiRadixConfigError(f"{flag} {text}: cannot read it: {e}") from None
+    from hiradix.tiers.store import StoreConfig, StoreConfigError
+
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise HiRadixConfigError(f"{flag} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise HiRadixConfigError(f"{flag} must be a JSON object, got {type(data).__name__}")
-    return json.dumps(data, sort_keys=True)
+        return StoreConfig.parse(str(value), flag).to_json()
+    except StoreConfigError as e:
+        raise HiRadixConfigError(str(e)) from None
 
 
 def _store_backends() -> list[str]:

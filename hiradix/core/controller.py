@@ -33,7 +33,7 @@ from hiradix.core.node import Tier, TreeMatch, TreeNode
 from hiradix.core.placement import DRAM_FREE_LOW, Placement
 from hiradix.core.ports import ABORTED, FAILED, OK, HostMover, IOClient, NvmeJournal, RankAgreement, SingleRank
 from hiradix.core.stats import TierStats
-from hiradix.core.store_tier import StoreTier
+from hiradix.core.store_tier import STORE_RETRY_S, StoreTier
 from hiradix.core.tree import TieredRadixTree
 
 logger = logging.getLogger(__name__)
@@ -86,6 +86,7 @@ class TierController:
         dram_free_low_pages: see :class:`Placement`; default ``DRAM_FREE_LOW`` of DRAM.
         store_key_prefix: the cluster store's key prefix (the KV fingerprint); None: no store.
         store_write_policy: see :mod:`hiradix.core.store_tier`.
+        store_retry_s: first wait before a switched-off store is tried again.
     """
 
     def __init__(
@@ -102,6 +103,7 @@ class TierController:
         dram_free_low_pages: Optional[int] = None,
         store_key_prefix: Optional[str] = None,
         store_write_policy: str = "write_through",
+        store_retry_s: float = STORE_RETRY_S,
     ):
         self.tree = tree
         self.books = books
@@ -127,7 +129,8 @@ class TierController:
         self.store: Optional[StoreTier] = None
         if store_key_prefix is not None:
             assert client is not None, "the store's jobs run in the I/O worker"
-            self.store = StoreTier(tree, books, self.placement, client, store_key_prefix, store_write_policy, clock)
+            self.store = StoreTier(tree, books, self.placement, client, store_key_prefix, store_write_policy, clock,
+                                   retry_s=store_retry_s)
 
     def on_close(self, release: Callable[[], None]) -> None:
         """Call ``release`` when the controller closes (resources the assembly made)."""

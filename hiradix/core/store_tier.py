@@ -77,13 +77,14 @@ class StoreTier:
         key_prefix: prepended to each page hash (names the KV fingerprint).
         write_policy: ``write_through`` or ``write_back`` (see the module docstring).
         clock: monotonic seconds.
+        retry_s: first wait before a switched-off store is tried again (``STORE_RETRY_S``).
 
     Raises:
         ValueError: unknown ``write_policy``.
     """
 
     def __init__(self, tree: TieredRadixTree, books: TierBooks, placement: Placement, client: IOClient,
-                 key_prefix: str, write_policy: str, clock: Callable[[], float]):
+                 key_prefix: str, write_policy: str, clock: Callable[[], float], retry_s: float = STORE_RETRY_S):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"store write policy must be one of {list(WRITE_POLICIES)}, got {write_policy!r}")
         self.tree, self.books, self.placement, self.client = tree, books, placement, client
@@ -97,7 +98,8 @@ class StoreTier:
         self._failures_in_row = {"writes": 0, "reads": 0}  # PUT jobs / GET + lookup jobs that failed in a row
         self.off_reason: Optional[str] = None
         self._retry_at_s: Optional[float] = None
-        self._retry_wait_s = STORE_RETRY_S
+        self.retry_s = retry_s
+        self._retry_wait_s = retry_s
         self.counts = dict.fromkeys(("lookup_pages", "lookup_found_pages", "put_pages", "put_failed_pages",
                                      "get_pages", "get_failed_pages", "switch_offs"), 0)
 
@@ -232,7 +234,7 @@ class StoreTier:
         streak = self._failures_in_row[direction] + 1 if failed else 0
         self._failures_in_row[direction] = streak
         if not failed:
-            self._retry_wait_s = STORE_RETRY_S  # it works: the next switch-off waits the least again
+            self._retry_wait_s = self.retry_s  # it works: the next switch-off waits the least again
         if streak >= STORE_FAILURES_IN_ROW:
             self.switch_off(f"{streak} store {direction} in a row failed (see the I/O worker's warnings)")
 

@@ -272,9 +272,9 @@ class Worker:
 
 def _open_cluster_store(spec: WorkerSpec, pool: DramPool):
     """The spec's cluster-store backend, with the DRAM arena registered for zero-copy transfers."""
-    from hiradix.tiers.store import make_backend
+    from hiradix.tiers.store import StoreConfig, make_backend
 
-    backend = make_backend(spec.store_backend, spec.store_config)
+    backend = make_backend(spec.store_backend, StoreConfig.parse(spec.store_config, "--hiradix-store-config"))
     backend.register(pool.tensor.data_ptr(), pool.dram_bytes)
     return backend
 

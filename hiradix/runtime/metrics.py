@@ -14,6 +14,10 @@ Hits per tier are already exported by SGLang itself from the per-request fields 
 * ``hiradix_tier_tokens{tier}``                  tokens held per tier (gauge)
 * ``hiradix_lookahead_window_requests``, ``hiradix_prefetch_window_requests``,
   ``hiradix_protected_nodes``                    the last look-ahead view (gauges)
+* ``hiradix_store_pages_total{op}``              cluster store: lookup (asked), found, put, put_failed,
+                                                 get, get_failed pages; used_tokens promoted
+* ``hiradix_store_up``                           1 while the cluster store is in use (gauge)
+* ``hiradix_store_switch_offs_total``            times the store was switched off after failures
 
 Create the exporter in the scheduler process only (SGLang sets ``PROMETHEUS_MULTIPROC_DIR``
 before spawning it, so the HTTP server's ``/metrics`` aggregates these).
@@ -25,7 +29,7 @@ import collections
 
 from typing import Any, Optional
 
-TIERS = ("HBM", "DRAM", "NVMe")
+TIERS = ("HBM", "DRAM", "NVMe", "store")
 
 
 class TierMetrics:
@@ -53,6 +57,9 @@ class TierMetrics:
         self.protected = Gauge("hiradix_protected_nodes", "Nodes needed by queued requests", names, **gauge)
         self.in_flight = Gauge("hiradix_transfers_in_flight", "Transfers in flight by kind", names + ["kind"], **gauge)
         self.restored = Gauge("hiradix_nvme_restored_pages", "NVMe pages re-indexed at start", names, **gauge)
+        self.store_pages = Counter("hiradix_store_pages_total", "Cluster-store pages by operation", names + ["op"])
+        self.store_up = Gauge("hiradix_store_up", "1 while the cluster store is in use", names, **gauge)
+        self.store_offs = Counter("hiradix_store_switch_offs_total", "Cluster-store switch-offs after failures", names)
 
     def _advance(self, counter: Any, key: tuple, total: float, **extra: str) -> None:
         delta = total - self._seen.get(key, 0)
@@ -60,8 +67,10 @@ class TierMetrics:
             counter.labels(**self.labels, **extra).inc(delta)
         self._seen[key] = total
 
-    def update(self, stats: Any, books: Any, tier_tokens: list[int], view: Optional[Any]) -> None:
-        """Advance counters to the cumulative values in ``stats``/``books``; set gauges."""
+    def update(self, stats: Any, books: Any, tier_tokens: list[int], view: Optional[Any], store: Optional[Any] = None) -> None:
+        """Advance counters to the cumulative values in ``stats``/``books``/``store``; set gauges."""
+        if store is not None:
+            self._update_store(store, stats)
         for kind, value in stats.bytes_moved.items():
             self._advance(self.moved, ("moved", kind), value, kind=kind)
         for kind, value in stats.transfers_failed.items():
@@ -82,3 +91,13 @@ class TierMetrics:
             self.window.labels(**self.labels).set(view.window)
             self.prefetch_window.labels(**self.labels).set(view.prefetch_window)
             self.protected.labels(**self.labels).set(view.protected_nodes)
+
+    def _update_store(self, store: Any, stats: Any) -> None:
+        counts = store.counts
+        ops = {"lookup": counts["lookup_pages"], "found": counts["lookup_found_pages"], "put": counts["put_pages"],
+               "put_failed": counts["put_failed_pages"], "get": counts["get_pages"], "get_failed": counts["get_failed_pages"],
+               "used_tokens": stats.store_tokens["used"]}
+        for op, value in ops.items():
+            self._advance(self.store_pages, ("store", op), value, op=op)
+        self._advance(self.store_offs, ("store_offs",), counts["switch_offs"])
+        self.store_up.labels(**self.labels).set(1 if store.enabled else 0)

@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from hiradix.core.lookahead import QueueView
 from hiradix.core.policy import make_policy
 from hiradix.core.prefix_cache import TieredPrefixCache
+from hiradix.core.store_tier import STORE_RETRY_S
 from hiradix.core.node import Tier
 from hiradix.core.tree import TieredRadixTree, TreeNode
 
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CHECK_INTEGRITY_ENV = "HIRADIX_CHECK_INTEGRITY"  # "1": prove the invariants after every step (slow)
+STORE_RETRY_ENV = "HIRADIX_STORE_RETRY_S"  # seconds before a switched-off cluster store is tried again
 
 
 def namespace_of(key: RadixKey) -> Optional[tuple]:
@@ -122,6 +124,7 @@ class HiRadixCache(BasePrefixCache):
             self.tiers, self.loader = build_tiers(
                 self.tree, config, kv_pool, self.page_size, tp_rank, tp_group=params.tp_cache_group,
                 identity=identity, counter_factory=counter_factory,
+                store_retry_s=float(os.environ.get(STORE_RETRY_ENV, STORE_RETRY_S)),
             )
         self.core = TieredPrefixCache(
             self.tree, SGLangDevicePool(self.token_to_kv_pool_allocator, self.device), self.tiers,
@@ -202,10 +205,10 @@ class HiRadixCache(BasePrefixCache):
         if back.loaded:
             # SGLang's "storage" hits: tokens read from the cluster store (whoever started the
             # read), and tokens read from NVMe while the request waited (read ahead: "host").
-            storage = {Tier.NVME: back.waited_from[Tier.NVME], Tier.STORE: back.read_from[Tier.STORE]}
+            storage = {"nvme": back.waited_from[Tier.NVME], self.config.store_backend: back.read_from[Tier.STORE]}
             req.storage_hit_length = sum(storage.values())
             req.storage_hit_start = None
-            req.hiradix_storage = {tier: n for tier, n in storage.items() if n}
+            req.hiradix_storage_backend = ",".join(f"{name}={n}" for name, n in storage.items() if n) or None
         return back.loaded, back.node
 
     def ready_to_load_host_cache(self) -> int:
@@ -216,7 +219,8 @@ class HiRadixCache(BasePrefixCache):
         """Per scheduler step: reap finished copies and worker acks, keep DRAM headroom."""
         self.core.step()
         if self.tier_metrics is not None and self.tiers is not None:
-            self.tier_metrics.update(self.tiers.stats, self.tiers.books, self.tree.tier_tokens, self.core.last_view)
+            self.tier_metrics.update(self.tiers.stats, self.tiers.books, self.tree.tier_tokens, self.core.last_view,
+                                     store=self.tiers.store)
 
     def observe_queue(self, waiting_queue: list) -> Optional[QueueView]:
         """Look-ahead over the first W waiting requests (policies that use the queue)."""
@@ -319,7 +323,7 @@ def create_hiradix_cache(ctx: TreeCacheBuildContext) -> HiRadixCache:
     config = config_from_server_args(ctx.server_args)
     kv_pool = ctx.tp_worker.model_runner.token_to_kv_pool
     identity = None
-    if config.nvme_bytes > 0:
+    if config.nvme_bytes > 0 or config.has_store_tier:
         from hiradix.persistence.fingerprint import model_identity
 
         args = ctx.server_args

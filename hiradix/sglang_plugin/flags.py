@@ -21,7 +21,13 @@ from typing import Any
 from hiradix.config import ENV_VAR, FLAGS, VALUE_FLAGS, HiRadixConfig, HiRadixConfigError, check_machine
 from hiradix.sglang_plugin import hooks
 from hiradix.sglang_plugin.model_check import read_hf_config, unsupported_model_config_reason, unsupported_model_reason
-from hiradix.sglang_plugin.refusals import BACKEND_NAME, first_conflict, refuse, refuse_tiers_below_one_page
+from hiradix.sglang_plugin.refusals import (
+    BACKEND_NAME,
+    first_conflict,
+    refuse,
+    refuse_tiers_below_one_page,
+    refuse_unreachable_store,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +140,8 @@ def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -
         check_machine(config, ranks_on_this_node=_ranks_on_this_node(result))
     except HiRadixConfigError as e:
         refuse(str(e))
+    if config.has_store_tier:
+        refuse_unreachable_store(config)
 
     setattr(result, CONFIG_ATTR, config)
     result.radix_cache_backend = BACKEND_NAME

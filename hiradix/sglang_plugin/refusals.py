@@ -91,6 +91,20 @@ def first_conflict(config_view: Any) -> tuple[_Conflict, Any] | None:
 
 
 
+STORE_PROBE_TIMEOUT_S = 10.0  # the launcher waits at most this long to reach the cluster store
+
+
+def refuse_unreachable_store(config: HiRadixConfig) -> None:
+    """Refuse a cluster store that cannot be reached (or whose client does not load), before
+    the model loads, naming ``--hiradix-store-config``."""
+    from hiradix.tiers.store import StoreConfig, probe_backend
+
+    flag = FLAG_OF_FIELD["store_config"]
+    reason = probe_backend(config.store_backend, StoreConfig.parse(config.store_config, flag), STORE_PROBE_TIMEOUT_S)
+    if reason is not None:
+        refuse(f"{FLAG_OF_FIELD['store_backend']} {config.store_backend}: the store of {flag} is unusable: {reason}")
+
+
 def refuse_tiers_below_one_page(config: HiRadixConfig, hf_config: dict, server_args: Any, page_size: int) -> None:
     """Refuse a DRAM or NVMe budget smaller than one KV page of this model (estimated)."""
     page_bytes = page_bytes_estimate(hf_config, page_size, int(getattr(server_args, "tp_size", 1) or 1),
