@@ -34,6 +34,11 @@ Slots = Any
 # outcome every rank agrees on): FAILED < ABORTED < OK; NOT_DONE if any rank has not finished.
 NOT_DONE, FAILED, ABORTED, OK = 0, 1, 2, 3
 
+# Priorities of NVMe reads (``IOClient.submit_load``), most urgent first: a request at admission
+# waits for it; a queued request will (the look-ahead window); a predicted return (no request yet).
+# Writes run behind all reads of the first two kinds.
+READ_AT_ADMISSION, READ_QUEUED, READ_BACKGROUND = 0, 1, 2
+
 
 class DevicePool(Protocol):
     """SGLang's paged device KV allocator, as the prefix cache uses it (units: tokens)."""
@@ -104,8 +109,10 @@ class IOClient(Protocol):
         """Queue a copy of DRAM pages into NVMe slots (pairwise, in order)."""
         ...
 
-    def submit_load(self, job_id: int, nvme_slots: Sequence[int], dram_pages: Sequence[int]) -> None:
-        """Queue a read of NVMe slots into DRAM pages (pairwise, in order; checksums verified)."""
+    def submit_load(self, job_id: int, nvme_slots: Sequence[int], dram_pages: Sequence[int],
+                    priority: int = READ_AT_ADMISSION) -> None:
+        """Queue a read of NVMe slots into DRAM pages (pairwise, in order; checksums verified).
+        Reads of a smaller ``priority`` run first; writes after reads of ``READ_QUEUED`` or less."""
         ...
 
     def submit_put(self, job_id: int, dram_pages: Sequence[int], keys: Sequence[str]) -> None:

@@ -272,9 +272,9 @@ class IOWorkerClient:
         """:meth:`submit` a ``StorePages`` job (the core's ``IOClient`` port)."""
         self.submit(StorePages(job_id, list(dram_pages), list(nvme_slots)))
 
-    def submit_load(self, job_id: int, nvme_slots: list[int], dram_pages: list[int]) -> None:
-        """:meth:`submit` a ``LoadPages`` job (the core's ``IOClient`` port)."""
-        self.submit(LoadPages(job_id, list(nvme_slots), list(dram_pages)))
+    def submit_load(self, job_id: int, nvme_slots: list[int], dram_pages: list[int], priority: int = 0) -> None:
+        """:meth:`submit` a ``LoadPages`` job (the core's ``IOClient`` port); see its ``priority``."""
+        self.submit(LoadPages(job_id, list(nvme_slots), list(dram_pages), priority=priority))
 
     def submit_put(self, job_id: int, dram_pages: list[int], keys: list[str]) -> None:
         """:meth:`submit` a ``PutStore`` job (DRAM pages -> cluster store)."""

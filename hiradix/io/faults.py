@@ -51,6 +51,7 @@ class Faults:
             respawns in ``<socket_dir>/fault-crashes``; 0 = no limit.
         delay_s: Wait before each job, in seconds.
         load_delay_s: Wait before each load job (NVMe -> DRAM), in seconds.
+        store_delay_s: Wait before each store job (DRAM -> NVMe), in seconds.
         enospc_on_store: Writes of this store job and every later one fail with ENOSPC; 0 = never.
         short_read: Reads of this load job and every later one return half the bytes; 0 = never.
         corrupt_read: Reads of this load job and every later one get one payload byte
@@ -65,6 +66,7 @@ class Faults:
     crash_limit: int = 0
     delay_s: float = 0.0
     load_delay_s: float = 0.0
+    store_delay_s: float = 0.0
     enospc_on_store: int = 0
     short_read: int = 0
     corrupt_read: int = 0
@@ -234,7 +236,7 @@ class FaultInjector:
             self._truncate()
         return JobPlan(
             ordinal=n,
-            delay_s=f.delay_s + (f.load_delay_s if load else 0.0),
+            delay_s=f.delay_s + (f.load_delay_s if load else f.store_delay_s),
             crash_mid=self.may_crash and (f.crash_mid_job == n or (load and f.crash_mid_load == n_kind)),
             enospc=not load and _from_nth(f.enospc_on_store, n_kind),
             short_reads=load and _from_nth(f.short_read, n_kind),

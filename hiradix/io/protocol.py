@@ -33,8 +33,13 @@ from typing import Any, Generic, TypeVar, Union
 import msgspec
 import zmq
 
+from hiradix.core.ports import READ_AT_ADMISSION, READ_BACKGROUND, READ_QUEUED
+
 # Longest path a Unix domain socket accepts (sun_path is 108 bytes with its NUL).
 MAX_IPC_PATH_BYTES = 107
+
+# Priorities of NVMe jobs in the worker, most urgent first (the core's READ_* of hiradix.core.ports).
+PRIORITY_ADMISSION, PRIORITY_QUEUED, PRIORITY_BACKGROUND = READ_AT_ADMISSION, READ_QUEUED, READ_BACKGROUND
 
 
 class ProtocolError(ValueError):
@@ -71,11 +76,15 @@ class LoadPages(_Msg, frozen=True, tag=True):
         job_id: Caller-chosen id, unique among the caller's in-flight jobs, >= 0.
         nvme_slots: NVMe slot ids to read, in [0, num_nvme_slots), no duplicates.
         dram_pages: DRAM page ids to write, in [0, num_dram_pages), no duplicates, same length.
+        priority: ``PRIORITY_ADMISSION`` (a request waits for it), ``PRIORITY_QUEUED`` (a queued
+            request will) or ``PRIORITY_BACKGROUND`` (a predicted return); the worker runs
+            waiting jobs in this order, and every ``StorePages`` as ``PRIORITY_BACKGROUND``.
     """
 
     job_id: int
     nvme_slots: list[int]
     dram_pages: list[int]
+    priority: int = 0
 
 
 class PutStore(_Msg, frozen=True, tag=True):
@@ -253,6 +262,8 @@ def validate_job(job: Job, num_dram_pages: int, num_nvme_slots: int, has_store: 
         return _validate_store_job(job, num_dram_pages, has_store)
     if len(job.dram_pages) != len(job.nvme_slots):
         return f"{len(job.dram_pages)} dram_pages but {len(job.nvme_slots)} nvme_slots"
+    if isinstance(job, LoadPages) and not PRIORITY_ADMISSION <= job.priority <= PRIORITY_BACKGROUND:
+        return f"priority must be in [{PRIORITY_ADMISSION}, {PRIORITY_BACKGROUND}], got {job.priority}"
     return _check_ids(("dram_pages", job.dram_pages, num_dram_pages), ("nvme_slots", job.nvme_slots, num_nvme_slots))
 
 

@@ -8,7 +8,10 @@ It attaches the DRAM pool (shared-memory file), the NVMe store (when it has slot
 cluster store (when ``spec.store_backend`` is set, with the DRAM arena registered for zero-copy
 transfers), binds the jobs socket, answers ``Ready`` and then serves ``StorePages``/``LoadPages``
 on a thread pool of ``spec.threads`` so reads and writes overlap, and ``PutStore``/``GetStore``/
-``QueryStore`` on a pool of their own (``spec.store_threads``), one ``JobDone`` per job. Every
+``QueryStore`` on a pool of their own (``spec.store_threads``), one ``JobDone`` per job. The NVMe
+pool takes its waiting jobs by priority (``LoadPages.priority``: reads a request waits for, then
+reads for queued requests, then writes and reads for predicted returns), so a read near
+admission never queues behind background writes. Every
 store call is bounded by the backend's own RPC timeout (``--hiradix-store-config``). It validates every
 message: a malformed one is answered with ``Rejected`` and the loop goes on. It exits on
 ``Shutdown`` (running jobs finish; queued ones fail) or when ``spec.parent_pid`` is no longer
@@ -28,6 +31,7 @@ reads the same switch):
     delay_s=X         every job waits X seconds before touching the disk (a slow disk);
                       Shutdown cuts the wait short and the job fails
     load_delay_s=X    the same, for loads only: a read that lands late or never
+    store_delay_s=X   the same, for stores only: a slow write
     enospc_on_store=N the N-th store job and every later one: each write raises
                       OSError(ENOSPC) in the store's file layer (nothing written; the
                       store's own error path turns it into failed pages)
@@ -58,8 +62,10 @@ from pathlib import Path
 import zmq
 
 from hiradix.io.faults import CRASH_LOG_NAME, FaultInjector, Faults, JobPlan
+from hiradix.io.queues import PriorityExecutor
 from hiradix.io.faults import FAULT_EXIT_CODE, FAULTS_ENV  # noqa: F401 - re-exported (tests, callers)
 from hiradix.io.protocol import (
+    PRIORITY_BACKGROUND,
     GetStore,
     Job,
     JobDone,
@@ -97,8 +103,9 @@ ACK_LINGER_S = 2.0  # how long queued replies may take to leave at exit, in seco
 class Worker:
     """Serves jobs on one pair of sockets; owns the attached tiers and the thread pools.
 
-    NVMe jobs run on one pool, cluster-store jobs on another, so a slow or frozen store never
-    delays NVMe reads and writes. Either tier may be absent (no slots / no store backend).
+    NVMe jobs run on one pool, most urgent first, cluster-store jobs on another, so a slow or
+    frozen store never delays NVMe reads and writes. Either tier may be absent (no slots / no
+    store backend).
     """
 
     def __init__(self, spec: WorkerSpec, jobs_addr: str, replies: PushQueue[WorkerReply]):
@@ -138,7 +145,7 @@ class Worker:
         self.replies = replies
         self.ctx = zmq.Context.instance()
         self.requests = PullQueue(self.ctx, jobs_addr, decode_request)
-        self.executor = ThreadPoolExecutor(spec.threads, thread_name_prefix="hiradix-io")
+        self.executor = PriorityExecutor(spec.threads, thread_name_prefix="hiradix-io")
         self.store_executor = ThreadPoolExecutor(spec.store_threads, thread_name_prefix="hiradix-store")
         self.stop = threading.Event()  # set by Shutdown: cuts fault delays short
         self.lock = threading.Lock()  # guards in_flight
@@ -192,7 +199,8 @@ class Worker:
             future = self.store_executor.submit(self._run_store, msg)
         else:
             plan = self.faults.on_arrival(msg)  # may crash or truncate the file (fault switch)
-            future = self.executor.submit(self._run, msg, plan)
+            priority = msg.priority if isinstance(msg, LoadPages) else PRIORITY_BACKGROUND
+            future = self.executor.submit(priority, self._run, msg, plan)
         future.add_done_callback(lambda f, job=msg: self._reply(job, f))
 
     # ---- jobs (pool threads) -----------------------------------------------------------------

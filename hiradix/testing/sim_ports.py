@@ -20,6 +20,7 @@ only (no tensors, no files, no processes):
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
@@ -203,9 +204,11 @@ class SimIOClient:
     """The ``IOClient`` port on a virtual clock (real one: :class:`hiradix.io.client.IOWorkerClient`).
 
     A job's pages are served one after the other on its channel (NVMe reads, NVMe writes, store
-    reads, store writes), each channel FIFO: a job submitted at ``t`` completes at
-    ``max(t, channel free) + pages * s_per_page``. NVMe pages always succeed; a store GET page
-    succeeds if the shared :class:`SimStore` holds its key when the job completes, an exists
+    reads, store writes), one job at a time per channel: a job takes ``pages * s_per_page`` from
+    its start, and when a job ends the channel starts the waiting job of the smallest priority
+    (an NVMe read's ``priority``, as the I/O worker orders them; 0 for every other job), first
+    come first served among equals. Nothing is preempted. NVMe pages always succeed; a store GET
+    page succeeds if the shared :class:`SimStore` holds its key when the job completes, an exists
     query reports what it holds then, and a PUT lands its keys then.
 
     Args:
@@ -223,29 +226,40 @@ class SimIOClient:
         self.store = store
         self.s_per_page = dict(zip(_CHANNELS, (read_s_per_page, write_s_per_page, store_read_s_per_page, store_write_s_per_page)))
         self.store_query_s = store_query_s
-        self._busy_until_s = dict.fromkeys(_CHANNELS, 0.0)
-        self._jobs: list[tuple[float, int, Any]] = []  # heap of (done at s, job id, job)
+        self._waiting: dict[str, list] = {ch: [] for ch in _CHANNELS}  # heaps of (priority, seq, job, service s)
+        self._busy = dict.fromkeys(_CHANNELS, False)
+        self._seq = itertools.count()
+        self._jobs: list[tuple[float, int, Any, str]] = []  # running: heap of (done at s, job id, job, channel)
         self.disabled = False
         self.pages_done = dict.fromkeys(_CHANNELS, 0)
 
-    def _queue(self, channel: str, job: Any, pages: int, fixed_s: float = 0.0) -> None:
-        start_s = max(self.clock(), self._busy_until_s[channel])
-        done_s = start_s + fixed_s + pages * self.s_per_page[channel]
-        self._busy_until_s[channel] = done_s
-        heapq.heappush(self._jobs, (done_s, job.job_id, job))
+    def _queue(self, channel: str, job: Any, pages: int, fixed_s: float = 0.0, priority: int = 0) -> None:
+        heapq.heappush(self._waiting[channel], (priority, next(self._seq), job, fixed_s + pages * self.s_per_page[channel]))
         self.pages_done[channel] += pages
+        if not self._busy[channel]:
+            self._start_next(channel, self.clock())
+
+    def _start_next(self, channel: str, at_s: float) -> None:
+        waiting = self._waiting[channel]
+        self._busy[channel] = bool(waiting)
+        if waiting:
+            _, _, job, service_s = heapq.heappop(waiting)
+            heapq.heappush(self._jobs, (at_s + service_s, job.job_id, job, channel))
 
     def submit(self, job: LoadPages | StorePages) -> None:
         """Queue an NVMe ``job`` on its channel; its ``JobDone`` comes from :meth:`poll` when due."""
-        self._queue("nvme_read" if isinstance(job, LoadPages) else "nvme_write", job, len(job.dram_pages))
+        if isinstance(job, LoadPages):
+            self._queue("nvme_read", job, len(job.dram_pages), priority=job.priority)
+        else:
+            self._queue("nvme_write", job, len(job.dram_pages))
 
     def submit_store(self, job_id: int, dram_pages: Sequence[int], nvme_slots: Sequence[int]) -> None:
         """Queue a DRAM -> NVMe store on the write channel."""
         self.submit(StorePages(job_id, list(dram_pages), list(nvme_slots)))
 
-    def submit_load(self, job_id: int, nvme_slots: Sequence[int], dram_pages: Sequence[int]) -> None:
-        """Queue an NVMe -> DRAM load on the read channel."""
-        self.submit(LoadPages(job_id, list(nvme_slots), list(dram_pages)))
+    def submit_load(self, job_id: int, nvme_slots: Sequence[int], dram_pages: Sequence[int], priority: int = 0) -> None:
+        """Queue an NVMe -> DRAM load on the read channel (smaller ``priority`` first)."""
+        self.submit(LoadPages(job_id, list(nvme_slots), list(dram_pages), priority=priority))
 
     def submit_put(self, job_id: int, dram_pages: Sequence[int], keys: Sequence[str]) -> None:
         """Queue a DRAM -> store PUT on the store's write channel."""
@@ -273,11 +287,12 @@ class SimIOClient:
         return JobDone(job_id=job.job_id, ok=found)
 
     def poll(self) -> list[JobDone]:
-        """Jobs whose completion time has passed on the virtual clock."""
+        """Jobs whose completion time has passed on the virtual clock (each channel then starts its next)."""
         now, done = self.clock(), []
         while self._jobs and self._jobs[0][0] <= now:
-            _, _, job = heapq.heappop(self._jobs)
+            done_s, _, job, channel = heapq.heappop(self._jobs)
             done.append(self._finish(job))
+            self._start_next(channel, done_s)
         return done
 
     def wait(self, timeout_s: float) -> list[JobDone]:
@@ -293,8 +308,9 @@ class SimIOClient:
         return self._jobs[0][0] if self._jobs else None
 
     def in_flight(self) -> set[int]:
-        """Ids of submitted jobs not yet returned by :meth:`poll`."""
-        return {job_id for _, job_id, _ in self._jobs}
+        """Ids of submitted jobs not yet returned by :meth:`poll` (running or waiting)."""
+        running = {job_id for _, job_id, _, _ in self._jobs}
+        return running | {job.job_id for heap in self._waiting.values() for _, _, job, _ in heap}
 
     def check_alive(self) -> bool:
         """The stand-in never dies."""
@@ -303,6 +319,9 @@ class SimIOClient:
     def close(self) -> None:
         """Drop the jobs in flight."""
         self._jobs.clear()
+        for heap in self._waiting.values():
+            heap.clear()
+        self._busy = dict.fromkeys(_CHANNELS, False)
 
 
 def simulated_controller(

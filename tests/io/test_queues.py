@@ -1,0 +1,88 @@
+"""The I/O worker's priority pool (hiradix.io.queues) and its use for NVMe jobs (issue 12).
+
+The pool's order is proved with events (a job parks the only thread until released); the
+worker's with a slow-write fault: a read sent after two writes lands before the second.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import msgspec
+import pytest
+
+from hiradix.io.client import IOWorkerClient
+from hiradix.io.protocol import PRIORITY_ADMISSION, PRIORITY_BACKGROUND, PRIORITY_QUEUED, StorePages
+from hiradix.io.queues import PriorityExecutor
+from tests.helpers.io import WAIT_S, fill
+
+
+def test_waiting_jobs_run_most_urgent_first_fifo_among_equals():
+    pool = PriorityExecutor(1, thread_name_prefix="test")
+    started, release, order = threading.Event(), threading.Event(), []
+
+    def park():
+        started.set()
+        assert release.wait(WAIT_S)
+        return "parked"
+
+    first = pool.submit(PRIORITY_BACKGROUND, park)
+    assert started.wait(WAIT_S)  # the only thread is busy: everything below waits
+    futures = [pool.submit(prio, order.append, name) for prio, name in (
+        (PRIORITY_BACKGROUND, "write 1"), (PRIORITY_BACKGROUND, "write 2"), (PRIORITY_QUEUED, "queued read"),
+        (PRIORITY_ADMISSION, "admission read"), (PRIORITY_QUEUED, "queued read 2"))]
+    release.set()
+    assert first.result(WAIT_S) == "parked"
+    for f in futures:
+        f.result(WAIT_S)
+    assert order == ["admission read", "queued read", "queued read 2", "write 1", "write 2"]
+    pool.shutdown()
+
+
+def test_shutdown_cancels_waiting_jobs_and_lets_the_running_one_finish():
+    pool = PriorityExecutor(1)
+    started, release = threading.Event(), threading.Event()
+    running = pool.submit(0, lambda: (started.set(), release.wait(WAIT_S))[1])
+    assert started.wait(WAIT_S)
+    waiting = pool.submit(0, lambda: "never")
+    cancelled = []
+    waiting.add_done_callback(lambda f: cancelled.append(f.cancelled()))
+    pool.shutdown(wait=False, cancel_futures=True)
+    assert cancelled == [True]  # its done-callback ran: the worker answers it as a failure
+    release.set()
+    assert running.result(WAIT_S) is True
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        pool.submit(0, print)
+    pool.shutdown(wait=True)
+
+
+def test_exceptions_reach_the_future():
+    pool = PriorityExecutor(2)
+    with pytest.raises(ZeroDivisionError):
+        pool.submit(0, lambda: 1 / 0).result(WAIT_S)
+    with pytest.raises(ValueError, match="threads"):
+        PriorityExecutor(0)
+    pool.shutdown()
+
+
+def test_worker_runs_a_read_before_queued_writes(spec, pool, monkeypatch):
+    # One NVMe thread; every write waits 3 s first (a slow disk). Write 1 occupies the thread;
+    # write 2 and then a read a request waits for arrive meanwhile: the read goes next.
+    monkeypatch.setenv("HIRADIX_FAULTS", "store_delay_s=3")
+    client = IOWorkerClient(msgspec.structs.replace(spec, threads=1), ready_timeout_s=WAIT_S)
+    try:
+        client.start()
+        fill(pool, range(4), seed=5)
+        client.submit(StorePages(job_id=1, dram_pages=[0], nvme_slots=[0]))
+        client.submit(StorePages(job_id=2, dram_pages=[1], nvme_slots=[1]))
+        client.submit_load(3, [0], [2], priority=PRIORITY_ADMISSION)
+        assert client.ping(WAIT_S)  # all three are in the worker while write 1 still waits
+        order = []
+        while len(order) < 3:
+            done = client.wait(WAIT_S)
+            assert done, "no JobDone in time"
+            order += [(d.job_id, d.ok) for d in done]
+        # not interrupted: write 1 landed first, so the read of its slot verifies; write 2 waited
+        assert order == [(1, [True]), (3, [True]), (2, [True])]
+    finally:
+        client.close()
