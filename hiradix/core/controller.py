@@ -31,7 +31,9 @@ from typing import Any, Callable, Optional
 from hiradix.core.ledger import Kind, TierBooks, Transfer
 from hiradix.core.node import Tier, TreeMatch, TreeNode
 from hiradix.core.placement import DRAM_FREE_LOW, Placement
-from hiradix.core.ports import ABORTED, FAILED, OK, HostMover, IOClient, NvmeJournal, RankAgreement, SingleRank
+from hiradix.core import returns
+from hiradix.core.ports import (ABORTED, FAILED, OK, READ_AT_ADMISSION, READ_BACKGROUND, READ_QUEUED, HostMover,
+                                IOClient, NvmeJournal, RankAgreement, SingleRank)
 from hiradix.core.stats import TierStats
 from hiradix.core.store_tier import STORE_RETRY_S, StoreTier
 from hiradix.core.tree import TieredRadixTree
@@ -45,6 +47,7 @@ DEMOTION_WAIT_S = 0.2
 # switched off: a healthy disk fails none, so this many in a row is a broken tier.
 MAX_NVME_FAILURES_IN_ROW = 5
 SUMMARY_EVERY_S = 10.0  # one log line of occupancy this often
+UNREAD_KEEP_STEPS = 64  # steps an expired wait for an unread prefix is remembered (not waited again)
 
 
 def outcome_of(result: Any) -> int:
@@ -123,6 +126,12 @@ class TierController:
         self._local_done: dict[int, int] = {}  # finished here, not yet agreed: op id -> outcome
         self._results: dict[int, Any] = {}  # I/O JobResult by op id, until applied
         self._nvme_failures_in_row = {Kind.DEMOTE: 0, Kind.PREFETCH: 0}
+        self.reads_ahead = returns.ReadAhead(books.dram.capacity)  # reads for predicted returns
+        # Admissions waiting for a read that could not start: stage's first node id -> op id
+        # (a pseudo op: its deadline is agreed like a transfer's), and op id -> [node, step expired].
+        self._unread_ops: dict[int, int] = {}
+        self._unread: dict[int, list] = {}
+        self._steps = 0  # calls of step(), equal on every rank
         self.nvme_off_reason: Optional[str] = None  # set once, by switch_off_nvme
         self._last_summary_s = 0.0
         self._on_close: list[Callable[[], None]] = []  # resources of the assembly, released by close()
@@ -197,6 +206,7 @@ class TierController:
             if n.dram_from is not None:
                 read_from[n.dram_from] += n.num_tokens
                 waited_from[n.dram_from] += n.num_tokens if n.waited_for_read else 0
+        self.reads_ahead.used(nodes)
         self.stats.prefetch_tokens["used"] += read_from[Tier.NVME]
         self.stats.store_tokens["used"] += read_from[Tier.STORE]
         op = self.books.prepare(Kind.PROMOTE, nodes, hbm_slots=hbm_slots)
@@ -209,7 +219,7 @@ class TierController:
 
     # ------------------------------------------------------------ prefetch
     def prefetch(self, nodes: list[TreeNode], timeout_s: float, ahead: bool = False, src: Tier = Tier.NVME,
-                 deadline_s: Optional[float] = None) -> bool:
+                 deadline_s: Optional[float] = None, background: bool = False) -> bool:
         """Start reads into DRAM of ``nodes`` (a matched path's tail held only on NVMe, or only in
         the cluster store with ``src=Tier.STORE``).
 
@@ -219,6 +229,11 @@ class TierController:
             ahead: started by the look-ahead window: the wait starts only at admission.
             src: NVME (PREFETCH jobs) or STORE (GET jobs).
             deadline_s: give-up time inherited from a store lookup (instead of now + timeout).
+            background: a read for a predicted return (:meth:`read_ahead`): no request waits
+                for it, it runs behind every other read, and it displaces only redundant copies.
+
+        A read at admission that finds DRAM full of copies still on their way to NVMe drops the
+        least valuable of those (in policy order) rather than leave the request to recompute.
 
         Returns:
             True if a read is in flight for these nodes (started now or earlier).
@@ -230,18 +245,44 @@ class TierController:
         if not todo:
             return busy
         kind = Kind.PREFETCH if src == Tier.NVME else Kind.GET
-        op = self.placement.prepare(kind, todo, ahead=ahead)
+        op = self.placement.prepare(kind, todo, ahead=ahead or background, allow_drop=False if background else None)
+        if op is None and not (ahead or background):
+            op = self.placement.prepare(kind, todo, allow_drop=True)
         if op is None:
             return busy
+        if background:
+            self.reads_ahead.started(op.op_id, len(op.src_ids))
         if kind == Kind.PREFETCH:
-            self.client.submit_load(op.op_id, op.src_ids, op.dst_ids)
+            priority = READ_BACKGROUND if background else READ_QUEUED if ahead else READ_AT_ADMISSION
+            self.client.submit_load(op.op_id, op.src_ids, op.dst_ids, priority=priority)
             self.stats.prefetch_tokens["started"] += len(op.src_ids) * self.tree.page_size
         else:
             self.client.submit_get(op.op_id, op.src_ids, op.dst_ids)
         # A look-ahead read may start deep in the queue: its request's wait (the timeout)
         # starts only when the request reaches admission (prefetch_pending).
-        self._prefetch_deadline_s[op.op_id] = deadline_s if deadline_s is not None or ahead else self.clock() + timeout_s
+        self._prefetch_deadline_s[op.op_id] = (deadline_s if deadline_s is not None or ahead or background
+                                               else self.clock() + timeout_s)
         return True
+
+    def read_ahead(self, key: Callable[[TreeNode, Tier], tuple], worth: Callable[[TreeNode], bool], timeout_s: float) -> int:
+        """Read into DRAM the prefixes ``key`` (the policy's priority) ranks above DRAM's copies,
+        among those ``worth`` accepts (:func:`hiradix.core.returns.plan`), from NVMe or the cluster
+        store, in the background, within the budget :class:`~hiradix.core.returns.ReadAhead`
+        gives. Returns reads started."""
+        now = self.clock()
+        urgent = any(op.op_id not in self.reads_ahead.in_flight for op in self.books.in_flight(Kind.PREFETCH))
+        budget = self.reads_ahead.budget(now, urgent) if self.client is not None else 0
+        if budget <= 0:
+            return 0
+        free = max(0, self.books.dram.num_free - self.placement.dram_free_low_pages)
+        started = 0
+        for src, on in ((Tier.NVME, self.books.nvme_enabled), (Tier.STORE, self.store_enabled)):
+            for tail in returns.plan(self.tree, key, free, budget, src, worth) if on and budget > 0 else ():
+                pages = sum(n.num_tokens for n in tail) // self.tree.page_size
+                if self.prefetch(tail, timeout_s, src=src, background=True):
+                    started, budget, free = started + 1, budget - pages, max(0, free - pages)
+        self.reads_ahead.planned(now, started)
+        return started
 
     @property
     def store_enabled(self) -> bool:
@@ -277,6 +318,37 @@ class TierController:
             self._prefetch_deadline_s[op_id] = self.clock() + timeout_s
         return True
 
+    def unread_pending(self, nodes: list[TreeNode], timeout_s: float) -> bool:
+        """Whether an admission should wait for ``nodes`` (its match's NVMe or store part) that no
+        read covers: the read could not start yet (no DRAM room; each admission attempt's match
+        tries again). Bounded like a read: ``timeout_s`` from the first attempt, judged once per
+        step and agreed by the TP ranks (through a pseudo op id)."""
+        first = next((n for n in nodes if n.alive and not n.in_tier(Tier.DRAM) and not n.ops), None)
+        if first is None:
+            return False
+        op_id = self._unread_ops.get(first.id)
+        if op_id is None:
+            op_id = self.books.new_op_id()
+            self._unread_ops[first.id] = op_id
+            self._unread[op_id] = [first, None]
+            self._prefetch_deadline_s[op_id] = self.clock() + timeout_s
+        return self._waiting_on(op_id, timeout_s)
+
+    def _settle_unread(self) -> None:
+        """Forget the pseudo ops of :meth:`unread_pending` once their node is read, being read or
+        gone, or ``UNREAD_KEEP_STEPS`` steps after their deadline was agreed to have passed."""
+        self._steps += 1
+        for op_id, entry in list(self._unread.items()):
+            node = entry[0]
+            if entry[1] is None and op_id in self._expired:
+                entry[1] = self._steps
+            if (not node.alive or node.in_tier(Tier.DRAM) or node.ops
+                    or (entry[1] is not None and self._steps - entry[1] >= UNREAD_KEEP_STEPS)):
+                del self._unread[op_id]
+                self._unread_ops.pop(node.id, None)
+                self._prefetch_deadline_s.pop(op_id, None)
+                self._expired.discard(op_id)
+
     def prefetch_pending(self, nodes: list[TreeNode], timeout_s: float) -> bool:
         """Whether a read for one of ``nodes`` is still in flight and within its timeout.
 
@@ -305,11 +377,12 @@ class TierController:
                 self._local_done[result.job_id] = found_of(result) if result.job_id in lookups else outcome_of(result)
                 self._results[result.job_id] = result
         lookups = self.store.lookups if self.store is not None else {}
-        pending = sorted(self.books.pending_ids() + list(lookups))
+        pending = sorted(self.books.pending_ids() + list(lookups) + list(self._unread))
         expired_here = {op for op, t in self._prefetch_deadline_s.items() if t is not None and t <= now}
         known = set(pending)
         finished, expired = self.sync.agree(pending, {k: v for k, v in self._local_done.items() if k in known}, expired_here)
         self._expired |= expired
+        self._settle_unread()
         for op_id in sorted(finished):
             if op_id in lookups:
                 self._apply_lookup(op_id, finished[op_id])
@@ -340,6 +413,7 @@ class TierController:
         op = self.books.complete(op_id, flags, aborted=outcome == ABORTED or late_store)
         if op is None:
             return
+        self.reads_ahead.landed(op_id, op.nodes)
         pages = len(op.src_ids)
         ok_pages = pages if flags is True else sum(bool(f) for f in flags) if flags else 0
         self.stats.bytes_moved[op.kind.name] += ok_pages * self.page_bytes
@@ -443,7 +517,7 @@ class TierController:
         if not self.books.nvme_enabled:
             return
         in_flight = len(self.books.in_flight(Kind.DEMOTE))
-        for node in self.placement.demotion_order():
+        for node in self.placement.demotion_order(MAX_DEMOTIONS_IN_FLIGHT - in_flight):
             if in_flight >= MAX_DEMOTIONS_IN_FLIGHT:
                 break
             op = self.placement.prepare(Kind.DEMOTE, [node])
@@ -498,6 +572,9 @@ class TierController:
             self.store.reset()
         self._prefetch_deadline_s.clear()
         self._expired.clear()
+        self.reads_ahead.reset()
+        self._unread_ops.clear()
+        self._unread.clear()
         if self.journal is not None:
             self.journal.landed.clear()  # nodes of the old tree (their paths end at the old root)
 

@@ -73,6 +73,9 @@ class TreeNode:
     # hiradix.persistence: hash of the prefix through this node's last page, cached; a split
     # leaves it on the lower node (same last page) and not on the new upper one.
     chain_hash: Optional[bytes] = None
+    # The eviction policy's own record of this node (hiradix.core.policy); a split copies it to
+    # the new upper node.
+    policy_stamp: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -21,6 +21,7 @@ every other eviction drops a redundant copy (CachedAttention §3.3, write-back t
 
 from __future__ import annotations
 
+import heapq
 from typing import Any, Callable, Optional, Sequence
 
 from hiradix.core.ledger import Kind, TierBooks, Transfer, page_ids
@@ -121,10 +122,13 @@ class Placement:
                     and node.pinned[Tier.DRAM] == 0 and books.dram.num_free < self.dram_free_low_pages):
                 books.drop_copy(node, Tier.DRAM)
 
-    def demotion_order(self) -> list[TreeNode]:
-        """DRAM-only nodes not in a transfer, in policy order: the next to store to NVMe."""
+    def demotion_order(self, limit: Optional[int] = None) -> list[TreeNode]:
+        """DRAM-only nodes not in a transfer, in policy order: the next (at most ``limit``) to store to NVMe."""
         todo = [n for n in self.tree.sole_copies(Tier.DRAM) if n.pinned[Tier.DRAM] == 0]
-        todo.sort(key=lambda n: self.tree.policy.priority(n, Tier.DRAM))
+        key = self.tree.policy.priority
+        if limit is not None and limit < len(todo):
+            return heapq.nsmallest(limit, todo, key=lambda n: key(n, Tier.DRAM))
+        todo.sort(key=lambda n: key(n, Tier.DRAM))
         return todo
 
     def forget_nvme(self) -> int:

@@ -5,10 +5,23 @@ sort key; the candidate with the smallest key is evicted (or demoted) first. The
 candidate sets, the heap walk, the lock counts and the accounting (the split of SGLang 0.5.23's
 ``sglang/srt/mem_cache/evict_policy.py`` + ``radix_cache.py::evict``).
 
-A policy that wants to see the waiting queue sets ``uses_queue = True``: each scheduler step the
-prefix cache then plans the look-ahead window (:func:`hiradix.core.lookahead.plan`) and hands
-the view to :meth:`EvictionPolicy.observe_queue`. That is the only hook; a policy never moves
-or drops anything itself.
+A policy may observe more than the candidates, through a small set of optional hooks, each
+switched on by a class attribute (the callers test the attribute, never the class):
+
+* ``uses_queue``: each scheduler step the prefix cache plans the look-ahead window
+  (:func:`hiradix.core.lookahead.plan`) and hands the view to :meth:`EvictionPolicy.observe_queue`;
+* ``uses_history``: the prefix cache reports every insert of a request's KV
+  (:meth:`EvictionPolicy.observe_insert`: the path, how much of it the request found cached)
+  and the time each step (:meth:`EvictionPolicy.observe_step`); the tree reports every node that
+  leaves the last tier holding it (:meth:`EvictionPolicy.observe_delete`);
+* ``reads_ahead``: the prefix cache reads the nodes the policy ranks above what DRAM holds from
+  NVMe (or the cluster store) into DRAM before any request asks for them
+  (:mod:`hiradix.core.returns`), with the policy's key as the ranking, among the nodes
+  :meth:`EvictionPolicy.worth_reading` accepts.
+
+A policy never moves or drops anything itself. A policy may keep a record per node in
+``TreeNode.policy_stamp`` (the tree copies it to the upper node of a split, nothing else
+touches it).
 
 Policies are registered by name (:func:`register_policy`) and built by :func:`make_policy`; an
 unknown name raises ``ValueError`` listing the registered ones. The flag
@@ -17,7 +30,7 @@ unknown name raises ``ValueError`` listing the registered ones. The flag
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 if TYPE_CHECKING:
     from hiradix.core.lookahead import QueueView
@@ -30,10 +43,14 @@ class EvictionPolicy:
     Attributes:
         name: the registry name (``--hiradix-policy``).
         uses_queue: plan the look-ahead window each step and call :meth:`observe_queue`.
+        uses_history: call :meth:`observe_insert`, :meth:`observe_delete` and :meth:`observe_step`.
+        reads_ahead: read the nodes this policy ranks above DRAM's into DRAM ahead of any request.
     """
 
     name: str = ""
     uses_queue: bool = False
+    uses_history: bool = False
+    reads_ahead: bool = False
 
     def priority(self, node: TreeNode, tier: Tier) -> tuple:
         """Sort key of ``node`` as an eviction candidate in ``tier`` (smaller = evict sooner)."""
@@ -41,6 +58,30 @@ class EvictionPolicy:
 
     def observe_queue(self, view: QueueView) -> None:
         """What the look-ahead window saw this step (called only when ``uses_queue``)."""
+
+    def observe_insert(self, path: Sequence[TreeNode], reused_tokens: Optional[int], now_s: float) -> None:
+        """A request's KV was inserted (called only when ``uses_history``).
+
+        Args:
+            path: the nodes of its key, root's child first, down to the last inserted node.
+            reused_tokens: tokens at the start of ``path`` the request found cached (its hit);
+                None when the same request inserted this key before (a later chunk or its output).
+            now_s: the tree's clock, in seconds.
+        """
+
+    def observe_delete(self, node: TreeNode, now_s: float) -> None:
+        """``node`` left the last tier that held it (called by the tree, only when ``uses_history``)."""
+
+    def observe_step(self, now_s: float) -> None:
+        """A scheduler step at ``now_s`` seconds (called only when ``uses_history``)."""
+
+    def worth_reading(self, node: TreeNode) -> bool:
+        """Whether a read ahead of ``node``'s prefix may pay at all (only when ``reads_ahead``)."""
+        return False
+
+    def describe(self) -> dict:
+        """What the policy has learned, JSON-ready, for logs and the simulator (empty: nothing)."""
+        return {}
 
 
 class LRUPolicy(EvictionPolicy):
@@ -114,5 +155,12 @@ def policy_names() -> list[str]:
     return list(_POLICIES)
 
 
+def _predictive() -> EvictionPolicy:
+    from hiradix.core.predict import PredictivePolicy  # imports this module: built lazily
+
+    return PredictivePolicy()
+
+
 register_policy(LRUPolicy.name, LRUPolicy)
 register_policy(LookaheadPolicy.name, LookaheadPolicy)
+register_policy("predictive", _predictive)

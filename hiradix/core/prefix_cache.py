@@ -100,9 +100,15 @@ class TieredPrefixCache:
         return m
 
     def _start_reads(self, m: TreeMatch, tokens: Key, namespace: Namespace, ahead: bool) -> None:
-        if m.nvme_len:
-            self.tiers.prefetch(m.stage(Tier.NVME), self.load_timeout_s, ahead=ahead)
-        self._start_store_reads(m, tokens, namespace, ahead)
+        # The room a read makes must not be the request's own DRAM pages (before or after the read).
+        dram = [n for n in m.nodes if n.in_tier(Tier.DRAM)] if m.nvme_len or m.store_len else []
+        self.tiers.books.hold(dram, Tier.DRAM)
+        try:
+            if m.nvme_len:
+                self.tiers.prefetch(m.stage(Tier.NVME), self.load_timeout_s, ahead=ahead)
+            self._start_store_reads(m, tokens, namespace, ahead)
+        finally:
+            self.tiers.books.release(dram, Tier.DRAM)
 
     def _start_store_reads(self, m: TreeMatch, tokens: Key, namespace: Namespace, ahead: bool) -> None:
         if m.store_len:
@@ -111,17 +117,23 @@ class TieredPrefixCache:
             self.tiers.lookup(m, tokens, namespace, self.load_timeout_s, ahead=ahead)
 
     def should_wait(self, tokens: Key, namespace: Namespace = None) -> bool:
-        """Whether admission should skip this request for now: NVMe or store reads of its prefix,
-        or a store lookup of what follows it, are in flight and within ``load_timeout_s``
-        (afterwards it runs with what is ready)."""
+        """Whether admission should skip this request for now, because part of its prefix is on
+        NVMe or in the store and not yet in DRAM: its read is in flight, or could not start yet
+        (no DRAM room; the next attempt's :meth:`match` tries again), or a store lookup of what
+        follows it is in flight. Within ``load_timeout_s`` only; afterwards it runs with what is
+        ready (and recomputes the rest)."""
         tiers = self.tiers
-        if tiers is None or not (tiers.books.in_flight() or (tiers.store is not None and tiers.store.lookups)):
+        if tiers is None:
+            return False
+        lower = self.tree.tier_tokens[Tier.NVME] or self.tree.tier_tokens[Tier.STORE]
+        if not (lower or tiers.books.in_flight() or (tiers.store is not None and tiers.store.lookups)):
             return False
         m = self.tree.match(tokens, namespace, split=False, touch=False)
         wait = False
         for tier in (Tier.NVME, Tier.STORE):
             if m.length(tier):
-                wait |= tiers.prefetch_pending(m.stage(tier), self.load_timeout_s)
+                stage = m.stage(tier)
+                wait |= tiers.prefetch_pending(stage, self.load_timeout_s) or tiers.unread_pending(stage, self.load_timeout_s)
         wait |= tiers.lookup_pending(m, tokens, namespace, self.load_timeout_s)
         tiers.stats.admission_skips += wait
         return wait
@@ -203,6 +215,9 @@ class TieredPrefixCache:
             :meth:`path_slots` of it.
         """
         dup_len, last, new_nodes = self.tree.insert(tokens, slots, namespace, inserted_len=inserted_len)
+        policy = self.tree.policy
+        if policy.uses_history:
+            policy.observe_insert(self.tree.path(last), protected_len if inserted_len == 0 else None, self.tree.clock())
         if dup_len > protected_len:
             self.device.free(slots[protected_len:dup_len])
         if self.tiers is not None:
@@ -234,9 +249,15 @@ class TieredPrefixCache:
 
     # ------------------------------------------------------------ per step
     def step(self) -> None:
-        """Per scheduler step: reap copies and I/O results, store DRAM-only pages down."""
+        """Per scheduler step: reap copies and I/O results, store DRAM-only pages down; with a
+        policy that reads ahead, start reads of the prefixes it predicts will return soon."""
+        policy = self.tree.policy
+        if policy.uses_history:
+            policy.observe_step(self.tree.clock())
         if self.tiers is not None:
             self.tiers.step()
+            if policy.reads_ahead:
+                self.tiers.read_ahead(policy.priority, policy.worth_reading, self.load_timeout_s)
         if self.check_every_step:
             self.check_integrity()
 

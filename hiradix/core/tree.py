@@ -302,6 +302,8 @@ class TieredRadixTree:
             cands.discard(node)
         node.parent = None
         self._refresh(parent)
+        if self.policy.uses_history:
+            self.policy.observe_delete(node, self.clock())
 
     # ------------------------------------------------------------------ split
     def _split(self, node: TreeNode, n: int) -> TreeNode:
@@ -320,6 +322,7 @@ class TieredRadixTree:
             hit_count=node.hit_count,
             dram_from=node.dram_from,
             waited_for_read=node.waited_for_read,
+            policy_stamp=node.policy_stamp,
         )
         if node.hbm_slots is not None:
             upper.hbm_slots, node.hbm_slots = node.hbm_slots[:n], node.hbm_slots[n:]

@@ -1,0 +1,246 @@
+"""Unready pages (issue 12, deliverable 3) and reads for predicted returns, scripted.
+
+The real prefix cache, controller, placement and ledger over the data-less ports on a virtual
+clock: NVMe writes take 1 s per page, reads 0.5 s, so every transfer's timing is exact. After
+every step the invariants hold (books + HBM balance).
+"""
+
+from __future__ import annotations
+
+from hiradix.core import returns
+from hiradix.core.ledger import Kind
+from hiradix.core.node import Tier
+from hiradix.core.policy import LRUPolicy
+from hiradix.core.ports import READ_AT_ADMISSION, READ_BACKGROUND
+from hiradix.core.prefix_cache import TieredPrefixCache
+from hiradix.core.predict import PredictivePolicy
+from hiradix.core.tree import TieredRadixTree
+from hiradix.testing.sim_ports import SimClock, SimDevicePool, simulated_controller
+
+PS = 2  # tokens per page
+TIMEOUT_S = 2.0
+
+
+class Server:
+    """One simulated server (HBM 64 tokens unless given)."""
+
+    def __init__(self, policy=None, dram_pages: int = 8, nvme_slots: int = 32, hbm_tokens: int = 64,
+                 write_s: float = 1.0, read_s: float = 0.5, dram_free_low_pages: int = 0):
+        self.clock = SimClock()
+        self.tree = TieredRadixTree(PS, policy or LRUPolicy(), clock=self.clock)
+        self.tiers = simulated_controller(self.tree, dram_pages, nvme_slots, page_bytes=64, write_through=True,
+                                          clock=self.clock, read_s_per_page=read_s, write_s_per_page=write_s)
+        self.tiers.placement.dram_free_low_pages = dram_free_low_pages
+        self.device = SimDevicePool(hbm_tokens, PS)
+        self.cache = TieredPrefixCache(self.tree, self.device, self.tiers, load_timeout_s=TIMEOUT_S)
+        self.io = self.tiers.client
+        self.submitted: list[tuple[int, int]] = []  # (op id, priority) of every NVMe read
+        real = self.io.submit_load
+
+        def spy(job_id, slots, pages, priority=READ_AT_ADMISSION):
+            self.submitted.append((job_id, priority))
+            real(job_id, slots, pages, priority=priority)
+
+        self.io.submit_load = spy
+
+    def check(self) -> None:
+        self.cache.check_integrity(0, used_tokens=self.device.num_used_tokens())
+
+    def at(self, t_s: float) -> None:
+        """Advance the clock to ``t_s`` and run a scheduler step."""
+        self.clock.advance_to(t_s)
+        self.cache.step()
+        self.check()
+
+    def serve(self, tokens: list[int]):
+        """A request: its HBM hit, its DRAM part loaded back, the rest computed; inserted, finished."""
+        m = self.cache.match(tokens)
+        self.cache.lock(m.hbm_node)
+        back = self.cache.load_back(m.hbm_node, m.dram_node, m.dram_len)
+        if back.node is not m.hbm_node:
+            self.cache.lock(back.node)
+            self.cache.unlock(m.hbm_node)
+        hit = m.hbm_len + back.loaded
+        new = self.cache.alloc_device(len(tokens) - hit)
+        _, last = self.cache.checkpoint(tokens, None, self.cache.path_slots(back.node) + new, hit)
+        self.cache.lock(last)
+        self.cache.unlock(back.node)
+        self.cache.unlock(last)
+        self.check()
+        return last
+
+    def compute(self, tokens: list[int]):
+        """A request that recomputes all of ``tokens`` (no match, no reads) and inserts them."""
+        m = self.tree.match(tokens, split=True, touch=False)
+        self.cache.lock(m.hbm_node)
+        new = self.cache.alloc_device(len(tokens) - m.hbm_len)
+        _, last = self.cache.checkpoint(tokens, None, self.cache.path_slots(m.hbm_node) + new, m.hbm_len)
+        self.cache.unlock(m.hbm_node)
+        self.check()
+        return last
+
+    def drop_hbm(self) -> None:
+        """Evict everything evictable from HBM (what is not in DRAM is lost)."""
+        self.cache.evict(self.tree.hbm_evictable_tokens)
+        self.check()
+
+
+def keys(tag: int, pages: int = 2) -> list[int]:
+    return [tag * 100 + i for i in range(pages * PS)]
+
+
+def test_a_page_being_written_to_nvme_is_served_from_dram_until_the_write_lands():
+    s = Server(dram_pages=4, dram_free_low_pages=4)  # DRAM always "short": a landed store moves down
+    node = s.serve(keys(1))
+    s.at(0.0)  # the write-through backup lands in DRAM
+    s.drop_hbm()  # the DRAM copy is the last one: its store to NVMe starts (2 pages: 2 s)
+    assert node.tiers() == [Tier.DRAM] and len(s.tiers.books.in_flight(Kind.DEMOTE)) == 1
+    m = s.tree.match(keys(1), split=False, touch=False)
+    assert (m.dram_len, m.nvme_len) == (4, 0)  # served from DRAM while the NVMe copy is written
+    # the DRAM source cannot be made room of, even with last copies allowed to go
+    assert s.tiers.placement.make_room(Tier.DRAM, 4, allow_drop=True) == 0 and node.in_tier(Tier.DRAM)
+    assert not s.cache.should_wait(keys(1))
+    s.at(1.5)
+    assert node.tiers() == [Tier.DRAM]  # still writing
+    s.at(2.0)  # landed: now (DRAM short) the page lives on NVMe only
+    assert node.tiers() == [Tier.NVME]
+    m = s.tree.match(keys(1), split=False, touch=False)
+    assert (m.dram_len, m.nvme_len) == (0, 4)
+
+
+def test_an_admission_read_drops_dram_copies_still_waiting_for_nvme_not_its_own(monkeypatch):
+    # DRAM 3 pages; one store to NVMe in flight at a time (10 s/page): DRAM fills with last
+    # copies waiting for their store.
+    monkeypatch.setattr("hiradix.core.controller.MAX_DEMOTIONS_IN_FLIGHT", 1)
+    s = Server(dram_pages=3, write_s=10.0)
+    old = s.serve(keys(1, pages=1))
+    s.at(0.0)
+    s.drop_hbm()  # old: DRAM only, its store runs until t = 10
+    s.at(10.0)
+    s.tiers.placement.make_room(Tier.DRAM, 3)  # the redundant DRAM copy goes: old on NVMe only
+    assert old.tiers() == [Tier.NVME]
+    s.clock.advance_to(10.0)
+    f2 = s.compute(keys(2, pages=1))
+    s.clock.advance_to(10.5)
+    own = s.compute(keys(1, pages=1) + [777, 778])  # the request's second page, below old
+    s.clock.advance_to(11.0)
+    f3 = s.compute(keys(3, pages=1))
+    s.at(11.0)  # three backups land: DRAM is full
+    s.drop_hbm()  # all three are last copies now; f2 (least recent) is stored first, the others wait
+    assert [n.tiers() for n in (f2, own, f3)] == [[Tier.DRAM]] * 3 and old.tiers() == [Tier.NVME]
+    assert [op.nodes for op in s.tiers.books.in_flight(Kind.DEMOTE)] == [[f2]]
+    assert s.tiers.books.dram.num_free == 0
+    # the request for old + own: its first page must be read, into a page only a waiting last
+    # copy can give: f3 goes (own is the request's, f2's store is in flight)
+    m = s.cache.match(keys(1, pages=1) + [777, 778])
+    assert m.nvme_len == 2 and [op.nodes for op in s.tiers.books.in_flight(Kind.PREFETCH)] == [[old]]
+    assert not f3.alive and own.in_tier(Tier.DRAM) and f2.in_tier(Tier.DRAM)
+    assert s.tiers.books.dropped_tokens[Tier.DRAM] == 2
+    assert s.submitted[-1][1] == READ_AT_ADMISSION
+    assert s.cache.should_wait(keys(1, pages=1) + [777, 778])
+    s.at(11.5)  # read landed (0.5 s per page): both pages in DRAM, nothing to wait for
+    assert not s.cache.should_wait(keys(1, pages=1) + [777, 778])
+    m = s.cache.match(keys(1, pages=1) + [777, 778])
+    assert m.dram_len == 4
+
+
+def test_no_admission_with_an_unread_nvme_part_until_its_timeout():
+    # DRAM 2 pages, both pinned by stores in flight (10 s/page): the read cannot start.
+    s = Server(dram_pages=2, write_s=10.0)
+    first = s.serve(keys(1, pages=1))
+    s.at(0.0)
+    s.drop_hbm()  # its store runs until t = 10
+    s.at(10.0)
+    s.tiers.placement.make_room(Tier.DRAM, 2)
+    assert first.tiers() == [Tier.NVME]
+    s.serve(keys(2, pages=1))
+    s.serve(keys(3, pages=1))
+    s.at(10.0)  # both backups landed
+    s.drop_hbm()  # both last copies: their stores run until t = 20 and t = 30 (pinned until then)
+    assert s.tiers.books.dram.num_free == 0 and len(s.tiers.books.in_flight(Kind.DEMOTE)) == 2
+    m = s.cache.match(keys(1, pages=1))
+    assert m.nvme_len == 2 and not s.tiers.books.in_flight(Kind.PREFETCH)  # no room: no read
+    assert s.cache.should_wait(keys(1, pages=1))  # waits anyway (before: admitted, recomputed)
+    s.at(11.5)
+    assert s.cache.should_wait(keys(1, pages=1))
+    s.at(12.0)  # 2 s after the first attempt: the wait expires, agreed at this step
+    assert not s.cache.should_wait(keys(1, pages=1))
+    # a later request for it (after the store at t = 20 freed a DRAM page) reads it and waits
+    s.at(20.0)
+    for _ in range(70):  # the expired wait is forgotten after a bounded number of steps
+        s.at(20.0)
+    m = s.cache.match(keys(1, pages=1))
+    assert len(s.tiers.books.in_flight(Kind.PREFETCH)) == 1 and s.cache.should_wait(keys(1, pages=1))
+    s.at(21.0)
+    assert not s.cache.should_wait(keys(1, pages=1)) and first.in_tier(Tier.DRAM)
+
+
+def learned_server(**kw) -> Server:
+    """A predictive server that has seen 40 conversations come back 30 s after their first turn."""
+    s = Server(PredictivePolicy(update_s=1.0, by_turn=False, by_size=False), **kw)
+    for k in range(40):
+        s.at(float(k))
+        s.serve(keys(k, pages=1))
+    for k in range(40):
+        s.at(k + 30.0)
+        s.serve(keys(k, pages=1) + [k * 100 + 50, k * 100 + 51])
+    return s
+
+
+def nvme_only(s: Server, ages_s: dict, now_s: float, pages: int = 2) -> dict:
+    """Conversations served ``age`` seconds before ``now_s``, then pushed down to NVMe only."""
+    convs = {}
+    for age, tag in ages_s.items():
+        s.at(now_s - age)
+        convs[age] = s.serve(keys(tag, pages=pages))
+    s.at(now_s)
+    s.drop_hbm()
+    s.at(now_s + 1.0)  # their stores land
+    s.tiers.placement.make_room(Tier.DRAM, s.tiers.books.dram.capacity)  # redundant DRAM copies go
+    assert all(n.tiers() == [Tier.NVME] for n in convs.values())
+    s.tiers.reads_ahead.reset()  # (what the drop above did to reads ahead is not the workload's doing)
+    return convs
+
+
+def test_reads_for_predicted_returns_rank_the_nearest_return_first():
+    s = learned_server(dram_pages=64, nvme_slots=128, write_s=0.01)
+    convs = nvme_only(s, {200.0: 60, 25.0: 61, 10.0: 62}, now_s=300.0)
+    policy = s.tree.policy
+    density = {age: policy.priority(n, Tier.DRAM)[2] for age, n in convs.items()}
+    assert density[200.0] == 0.0 < density[10.0] < density[25.0]  # 25 s old: its return is nearest
+    tails = returns.plan(s.tree, policy.priority, free_pages=64, max_pages=64, worth=policy.worth_reading)
+    assert tails == [[convs[25.0]], [convs[10.0]]]  # the one past its returns is not read at all
+    # a budget of 3 pages takes the first (2 pages) only; no free DRAM and no copy to displace: none
+    assert returns.plan(s.tree, policy.priority, 64, 3, worth=policy.worth_reading) == [[convs[25.0]]]
+    assert returns.plan(s.tree, policy.priority, 0, 64, worth=policy.worth_reading) == []
+    # the controller starts them at background priority, within ReadAhead's budget (4 pages)
+    before = len(s.submitted)
+    assert s.tiers.read_ahead(policy.priority, policy.worth_reading, TIMEOUT_S) == 2
+    assert [p for _, p in s.submitted[before:]] == [READ_BACKGROUND, READ_BACKGROUND]
+    s.at(s.clock() + 2.0)  # landed: in DRAM, read ahead, not used yet
+    assert convs[25.0].in_tier(Tier.DRAM) and convs[10.0].in_tier(Tier.DRAM)
+    assert set(s.tiers.reads_ahead.unused) == {convs[25.0].id, convs[10.0].id}
+
+
+def test_read_ahead_behind_admission_reads_and_its_budget_follows_its_record():
+    s = learned_server(dram_pages=64, nvme_slots=128, write_s=0.01)
+    convs = nvme_only(s, {25.0: 61, 10.0: 62, 12.0: 63}, now_s=300.0)
+    ra, policy = s.tiers.reads_ahead, s.tree.policy
+    # a read a request waits for is in flight: no read ahead starts meanwhile
+    s.cache.match(keys(63, pages=2))
+    assert s.cache.should_wait(keys(63, pages=2))
+    ra.next_s = 0.0
+    assert s.tiers.read_ahead(policy.priority, policy.worth_reading, TIMEOUT_S) == 0
+    before = len(s.submitted)
+    s.at(s.clock() + 1.0)  # the admission read landed; this step's plan reads the other two ahead
+    assert [p for _, p in s.submitted[before:]] == [READ_BACKGROUND] * 2
+    s.at(s.clock() + 2.0)
+    # neither is used and DRAM drops both: trust falls, and the budget with it (floor: one page)
+    s.tiers.placement.make_room(Tier.DRAM, s.tiers.books.dram.capacity)
+    ra.next_s = 0.0
+    assert ra.budget(s.clock(), other_reads=False) == 1 and ra.trust == 0.0
+    assert ra.wasted_tokens == 8 and ra.used_tokens == 0
+    # a read ahead that a request then uses counts for it
+    ra.unused[convs[25.0].id] = convs[25.0]
+    ra.used([convs[25.0]])
+    assert ra.used_tokens == 4 and 0.0 < ra.trust < 1.0
