@@ -64,6 +64,8 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `hiradix` and `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.offline import infinite_hit_rates  # noqa: E402,F401 - re-exported (tests, sweep)
+from bench.sweep import DEFAULT_FRACTIONS, sweep_main  # noqa: E402
 from hiradix.core.policy import make_policy  # noqa: E402
 from hiradix.core.prefix_cache import TieredPrefixCache  # noqa: E402
 from hiradix.core.tree import TieredRadixTree, TreeNode  # noqa: E402
@@ -167,32 +169,6 @@ def block_ends(req: TraceRequest, page_size: int) -> list[int]:
     return [e for i, e in enumerate(ends) if e > i * BLOCK_TOKENS]
 
 
-def infinite_hit_rates(trace: Sequence[TraceRequest], page_size: int) -> dict:
-    """Hit rates of a cache that never evicts and sees every earlier request at once.
-
-    Returns:
-        ``block_hit_rate`` (hits / block references, every block counted) and
-        ``token_hit_rate`` (whole-page tokens of seen blocks / prompt tokens).
-    """
-    seen: set[int] = set()
-    refs = block_hits = hit_tokens = prompt_tokens = 0
-    for req in trace:
-        key_len = cached_len(req, page_size)
-        for i, h in enumerate(req.hash_ids):
-            if h in seen:
-                block_hits += 1
-                hit_tokens += max(0, min((i + 1) * BLOCK_TOKENS, key_len) - i * BLOCK_TOKENS)
-        refs += len(req.hash_ids)
-        prompt_tokens += req.input_len
-        seen.update(req.hash_ids)
-    return {
-        "block_refs": refs,
-        "distinct_blocks": len(seen),
-        "block_hit_rate": block_hits / max(refs, 1),
-        "token_hit_rate": hit_tokens / max(prompt_tokens, 1),
-    }
-
-
 def make_key(req: TraceRequest, cfg: SimConfig) -> array:
     """Tree key of the prompt's whole pages: ``(hash id, position)``-derived ids.
 
@@ -233,6 +209,7 @@ class Counters:
     prompt_tokens: int = 0
     hit_tokens: list = field(default_factory=lambda: [0, 0, 0])  # from HBM, DRAM, NVMe
     strict_dram_tokens: int = 0  # hits already in DRAM at the first admission attempt
+    ready_tokens: int = 0  # hits already in HBM or DRAM at the first admission attempt (no wait)
     block_refs: int = 0
     block_hits: int = 0
     requests: int = 0
@@ -284,7 +261,7 @@ class Engine:
     # ------------------------------------------------------------ loop
     def run(self, on_finished: Optional[Callable[[int], None]] = None) -> Counters:
         """Replay the whole trace; ``on_finished(n)`` hears of finished requests (progress)."""
-        while (t := self._next_event_s()) is not None:
+        while self.finished < len(self.trace) and (t := self._next_event_s()) is not None:
             self.clock.advance_to(t)
             before = self.finished
             self.step()
@@ -402,6 +379,7 @@ class Engine:
             c.hit_tokens[tier] += n * u
         hit_tokens = req.protected_len * u
         c.strict_dram_tokens += max(0, min(req.protected_len, req.fast_len) - m.hbm_len) * u
+        c.ready_tokens += min(req.protected_len, req.fast_len) * u
         c.nvme_unready_tokens += m.nvme_len * u
         c.load_back_failed_tokens += (m.dram_len - req.served[1] - req.served[2]) * u
         c.block_refs += len(req.trace.hash_ids)
@@ -467,6 +445,8 @@ def run_scenario(
         "nvme_unready_tokens": c.nvme_unready_tokens,
         "load_back_failed_tokens": c.load_back_failed_tokens,
         "strict_dram_share": c.strict_dram_tokens / hit if hit else 0.0,
+        "ready_share": c.ready_tokens / hit if hit else 0.0,
+        "nvme_unready_share": c.nvme_unready_tokens / max(c.prompt_tokens, 1),
         "nvme_wait_s": {"total": c.nvme_wait_s, "per_request_ms": 1000 * c.nvme_wait_s / max(c.requests, 1)},
         "queue_wait_s": {"mean": float(waits.mean()), "p50": float(np.percentile(waits, 50)), "p99": float(np.percentile(waits, 99))},
         "steps": c.steps,
@@ -477,6 +457,12 @@ def run_scenario(
         out["bytes_moved"] = dict(tiers.stats.bytes_moved)
         out["prefetch_tokens"] = {k: v * cfg.unit_tokens for k, v in tiers.stats.prefetch_tokens.items()}
         out["wasted_prefetch_tokens"] = tiers.books.wasted_prefetch_tokens * cfg.unit_tokens
+        ra = tiers.reads_ahead
+        out["read_ahead_tokens"] = {"used": ra.used_tokens * cfg.unit_tokens, "wasted": ra.wasted_tokens * cfg.unit_tokens,
+                                    "trust": ra.trust}
+    model = engine.tree.policy.describe()
+    if model:
+        out["policy_model"] = model
     return out
 
 
@@ -484,7 +470,7 @@ def format_table(results: Sequence[dict], infinite: dict) -> str:
     """Plain-text table: one row per scenario plus the infinite cache."""
     head = (
         f"{'scenario':<16}{'hit %':>7}{'block %':>8}{'% of inf':>9}{'HBM %':>7}{'DRAM %':>7}{'NVMe %':>7}"
-        f"{'DRAM@1st %':>11}{'NVMe wait ms':>13}{'queue p50 s':>12}{'p99 s':>7}"
+        f"{'DRAM@1st %':>11}{'ready %':>8}{'NVMe wait ms':>13}{'unready %':>10}{'queue p50 s':>12}{'p99 s':>7}"
     )
     lines = [head, "-" * len(head)]
     inf_tok = infinite["token_hit_rate"]
@@ -493,14 +479,17 @@ def format_table(results: Sequence[dict], infinite: dict) -> str:
         lines.append(
             f"{r['scenario']:<16}{100 * r['hit_rate']:>7.1f}{100 * r['block_hit_rate']:>8.1f}"
             f"{100 * r['hit_rate'] / inf_tok:>9.1f}{100 * s['hbm']:>7.1f}{100 * s['dram']:>7.1f}{100 * s['nvme']:>7.1f}"
-            f"{100 * r['strict_dram_share']:>11.1f}{r['nvme_wait_s']['per_request_ms']:>13.1f}{w['p50']:>12.2f}{w['p99']:>7.2f}"
+            f"{100 * r['strict_dram_share']:>11.1f}{100 * r['ready_share']:>8.1f}{r['nvme_wait_s']['per_request_ms']:>13.1f}"
+            f"{100 * r['nvme_unready_share']:>10.2f}{w['p50']:>12.2f}{w['p99']:>7.2f}"
         )
     lines.append(f"{'infinite':<16}{100 * inf_tok:>7.1f}{100 * infinite['block_hit_rate']:>8.1f}{100.0:>9.1f}")
     lines += [
         "hit %: hit tokens / prompt tokens; block %: per 512-token block; % of inf: hit % / infinite hit %.",
         "HBM/DRAM/NVMe %: share of hit tokens by where hiradix served them (look-ahead reads count as DRAM, on-demand",
         "NVMe reads as NVMe); DRAM@1st %: share already in DRAM when the request was first tried for admission;",
-        "NVMe wait ms: time requests were held back for NVMe reads, per request; queue: arrival -> admission.",
+        "ready %: share already in HBM or DRAM then (served without waiting); NVMe wait ms: time requests were",
+        "held back for NVMe reads, per request; unready %: prompt tokens matched on NVMe but admitted unread",
+        "(recomputed); queue: arrival -> admission.",
     ]
     return "\n".join(lines)
 
@@ -536,7 +525,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL trace")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--scenarios", default="hbm,dram,nvme", help="lowest tiers to simulate (comma list of hbm, dram, nvme)")
-    p.add_argument("--policies", default="lru,lookahead", help="comma list of policies")
+    p.add_argument("--policies", default="lru,lookahead,predictive", help="comma list of policies")
+    p.add_argument("--sweep", action="store_true",
+                   help="hit rate vs capacity instead (bench/sweep.py): the nvme scenario at --fractions of the "
+                        "trace's unique tokens, with Belady, LRU and the infinite cache")
+    p.add_argument("--fractions", default=",".join(str(f) for f in DEFAULT_FRACTIONS),
+                   help="--sweep: capacity points (DRAM + NVMe) as fractions of the trace's unique tokens")
+    p.add_argument("--dram-share", type=float, default=1 / 9, help="--sweep: DRAM's share of each capacity point")
+    p.add_argument("--worth-policy", default="predictive",
+                   help="--sweep: policy whose NVMe worth (DRAM d + NVMe n vs DRAM d+n alone) is measured; '' = none")
     p.add_argument("--out-dir", type=Path, default=None, help="where JSON and PNG go (default runs/simulate-<time>)")
     p.add_argument("--jobs", type=int, default=2, help="scenarios simulated in parallel (processes)")
     for f in dataclasses.fields(SimConfig):
@@ -583,12 +580,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     cfg = SimConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SimConfig)})
     trace = load_trace(args.trace, args.limit)
+    for policy in args.policies.split(","):
+        make_policy(policy)  # raises ValueError listing the supported names
+    if args.sweep:
+        return sweep_main(args, cfg, trace)
     infinite = infinite_hit_rates(trace, cfg.page_size)
     scenarios = [(t, p) for t in args.scenarios.split(",") for p in args.policies.split(",")]
     for tier, policy in scenarios:
         if tier not in TIERS:
             raise SystemExit(f"unknown scenario {tier!r}; choose from {', '.join(TIERS)}")
-        make_policy(policy)  # raises ValueError listing the supported names
     start = time.perf_counter()
     results = run_all(trace, cfg, scenarios, max(1, min(args.jobs, len(scenarios))))
     out_dir = args.out_dir or Path("runs") / time.strftime("simulate-%Y%m%d-%H%M%S")

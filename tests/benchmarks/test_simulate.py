@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from bench.offline import belady_hit_rate, lru_hit_rate
 from bench.simulate import BLOCK_TOKENS, Engine, SimConfig, infinite_hit_rates, load_trace, main, run_scenario
 from hiradix.testing.sim_ports import SimClock, SimDevicePool, SimIOClient
 from hiradix.io.protocol import LoadPages, StorePages
@@ -70,7 +71,7 @@ def test_partial_last_block_counts_whole_pages_only(tmp_path):
 
 
 @pytest.mark.parametrize("tier", ["hbm", "dram", "nvme"])
-@pytest.mark.parametrize("policy", ["lru", "lookahead"])
+@pytest.mark.parametrize("policy", ["lru", "lookahead", "predictive"])
 def test_ample_cache_reaches_the_infinite_hit_rate(tmp_path, tier, policy):
     trace = load_trace(chat_trace(tmp_path))
     r = run_scenario(trace, ample(), tier, policy)
@@ -186,7 +187,7 @@ def test_cli_writes_json_and_png(tmp_path, capsys):
     assert main(["--trace", str(path), "--out-dir", str(out), "--jobs", "1", "--hbm-tokens", "4096"]) == 0
     summary = json.loads((out / "simulate.json").read_text())
     assert [r["scenario"] for r in summary["results"]] == [
-        f"{t}/{p}" for t in ("hbm", "dram", "nvme") for p in ("lru", "lookahead")
+        f"{t}/{p}" for t in ("hbm", "dram", "nvme") for p in ("lru", "lookahead", "predictive")
     ]
     assert summary["infinite"]["block_hit_rate"] == pytest.approx(47 / 72)
     assert (out / "simulate.png").stat().st_size > 0
@@ -201,3 +202,41 @@ def test_integrity_check_catches_a_leaked_hbm_slot(tmp_path):
     assert engine.cache.device.alloc(engine.tree.page_size) is not None  # one page nobody owns
     with pytest.raises(IntegrityError, match="HBM"):
         engine.check()
+
+
+def test_belady_and_lru_references_by_hand(tmp_path):
+    # Pool of 2 blocks. Requests: [A], [B], [C], [A], [B, G], [C].
+    #   LRU:    A, B, C (evicts A), A misses (evicts B), [B, G] misses, C misses: 0 hits.
+    #   Belady: after C, the block used farthest ahead goes: C itself (next at #6; A at #4, B at
+    #           #5). A hits, B hits; G (never used again) goes at once; C misses: 2 of 7 references.
+    rows = [(0, [A], 0), (1, [B], 0), (2, [C], 0), (3, [A], 0), (4, [B, G], 0), (5, [C], 0)]
+    trace = load_trace(write_trace(tmp_path / "t.jsonl", rows))
+    assert lru_hit_rate(trace, 2) == 0.0
+    assert belady_hit_rate(trace, 2) == pytest.approx(2 / 7)
+    # prefix semantics: a block after a miss does not hit. [A, B] then [C, B]: B's id under C is
+    # another block (ids encode their prefix), so nothing but what a request shares in front.
+    rows = [(0, [A, B], 0), (1, [A, B], 0), (2, [D, F], 0), (3, [A, B], 0)]
+    trace = load_trace(write_trace(tmp_path / "p.jsonl", rows))
+    assert belady_hit_rate(trace, 2) == pytest.approx(4 / 8)  # [D, F] bypasses: A, B hit twice
+    assert lru_hit_rate(trace, 2) == pytest.approx(2 / 8)  # [D, F] pushed A, B out
+    assert belady_hit_rate(trace, 100) == lru_hit_rate(trace, 100) == infinite_hit_rates(trace, 512)["block_hit_rate"]
+
+
+def test_sweep_writes_its_tables_json_and_png(tmp_path, capsys):
+    path = chat_trace(tmp_path)
+    out = tmp_path / "sweep"
+    argv = ["--trace", str(path), "--out-dir", str(out), "--jobs", "1", "--sweep", "--fractions", "0.2,0.5",
+            "--hbm-tokens", "2048", "--check-every-step"]
+    assert main(argv) == 0
+    summary = json.loads((out / "sweep.json").read_text())
+    pts = summary["points"]
+    # 25 distinct blocks: 20% = 5 blocks, 50% = 12 (DRAM 1/9 of it, at least one block)
+    assert [p["tokens"] // BLOCK_TOKENS for p in pts] == [5, 12]
+    assert [p["dram_tokens"] // BLOCK_TOKENS for p in pts] == [1, 1]
+    for p in pts:
+        assert set(p["results"]) == {"lru", "lookahead", "predictive"} and p["dram_only"]["tiers"] == "dram"
+        assert p["lru_blocks"] <= p["belady"] <= summary["infinite"]["block_hit_rate"]
+    assert {r["target"] for r in summary["targets"]} >= {"hit >= 90% of Belady", "NVMe worth >= 95%"}
+    assert (out / "sweep.png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "Belady" in printed and "targets (predictive)" in printed
