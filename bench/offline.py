@@ -91,7 +91,7 @@ def lru_hit_rate(trace: Sequence, capacity_blocks: int) -> float:
     return hits / max(refs, 1)
 
 
-def infinite_hit_rates(trace: Sequence[TraceRequest], page_size: int) -> dict:
+def infinite_hit_rates(trace: Sequence, page_size: int) -> dict:
     """Hit rates of a cache that never evicts and sees every earlier request at once.
 
     Returns:

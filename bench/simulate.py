@@ -37,7 +37,8 @@ Default sizes (128 KiB of KV per token, Llama-3-8B fp16): HBM 0.5 M tokens (64 G
 moderate, NVMe holding everything, as in CachedAttention, whose LRU shape (HBM only ~0%,
 + DRAM 3-20%, + SSD all) these sizes reproduce on this trace.
 
-    .venv/bin/python bench/simulate.py                          # all six + infinite
+    .venv/bin/python bench/simulate.py                          # all nine + infinite
+    .venv/bin/python bench/simulate.py --sweep                  # hit rate vs capacity, Belady (bench/sweep.py)
     .venv/bin/python bench/simulate.py --trace my.jsonl --page-size 16 --hbm-tokens 1e6
 
 Outputs under ``--out-dir`` (default ``runs/simulate-<time>/``): ``simulate.json`` and
@@ -65,9 +66,11 @@ if __package__ in (None, ""):  # run as a script: make `hiradix` and `bench` imp
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.offline import infinite_hit_rates  # noqa: E402,F401 - re-exported (tests, sweep)
+from bench.sim_report import format_table, plot  # noqa: E402
 from bench.sweep import DEFAULT_FRACTIONS, sweep_main  # noqa: E402
 from hiradix.core.policy import make_policy  # noqa: E402
 from hiradix.core.prefix_cache import TieredPrefixCache  # noqa: E402
+from hiradix.core.node import Tier  # noqa: E402
 from hiradix.core.tree import TieredRadixTree, TreeNode  # noqa: E402
 from hiradix.testing.sim_ports import (  # noqa: E402
     SimClock,
@@ -216,6 +219,9 @@ class Counters:
     rejected: int = 0  # could never fit in HBM
     skipped_for_nvme: int = 0  # admission attempts skipped: NVMe reads in flight
     nvme_unready_tokens: int = 0  # matched on NVMe at admission, not waited for: recomputed
+    # ... by cause: its read alone takes longer than the timeout / it waited its timeout behind
+    # other reads / no read could start (no DRAM room) before the timeout
+    unready_by_cause: dict = field(default_factory=lambda: dict.fromkeys(("read_longer_than_timeout", "queued", "no_read"), 0))
     load_back_failed_tokens: int = 0  # matched in DRAM at admission, could not be promoted
     queue_wait_s: list = field(default_factory=list)  # arrival -> admission
     nvme_wait_s: float = 0.0  # total first attempt -> admission of requests skipped for NVMe
@@ -381,6 +387,11 @@ class Engine:
         c.strict_dram_tokens += max(0, min(req.protected_len, req.fast_len) - m.hbm_len) * u
         c.ready_tokens += min(req.protected_len, req.fast_len) * u
         c.nvme_unready_tokens += m.nvme_len * u
+        if m.nvme_len:
+            read_s = m.nvme_len // self.tree.page_size * self.cfg.page_bytes / self.cfg.nvme_read_bytes_per_s
+            read = any(n.ops for n in m.stage(Tier.NVME))
+            cause = "read_longer_than_timeout" if read_s > self.cfg.load_timeout_s else "queued" if read else "no_read"
+            c.unready_by_cause[cause] += m.nvme_len * u
         c.load_back_failed_tokens += (m.dram_len - req.served[1] - req.served[2]) * u
         c.block_refs += len(req.trace.hash_ids)
         c.block_hits += sum(1 for end in block_ends(req.trace, self.cfg.page_size) if end <= hit_tokens)
@@ -447,6 +458,7 @@ def run_scenario(
         "strict_dram_share": c.strict_dram_tokens / hit if hit else 0.0,
         "ready_share": c.ready_tokens / hit if hit else 0.0,
         "nvme_unready_share": c.nvme_unready_tokens / max(c.prompt_tokens, 1),
+        "nvme_unready_by_cause": dict(c.unready_by_cause),
         "nvme_wait_s": {"total": c.nvme_wait_s, "per_request_ms": 1000 * c.nvme_wait_s / max(c.requests, 1)},
         "queue_wait_s": {"mean": float(waits.mean()), "p50": float(np.percentile(waits, 50)), "p99": float(np.percentile(waits, 99))},
         "steps": c.steps,
@@ -457,65 +469,12 @@ def run_scenario(
         out["bytes_moved"] = dict(tiers.stats.bytes_moved)
         out["prefetch_tokens"] = {k: v * cfg.unit_tokens for k, v in tiers.stats.prefetch_tokens.items()}
         out["wasted_prefetch_tokens"] = tiers.books.wasted_prefetch_tokens * cfg.unit_tokens
-        ra = tiers.reads_ahead
-        out["read_ahead_tokens"] = {"used": ra.used_tokens * cfg.unit_tokens, "wasted": ra.wasted_tokens * cfg.unit_tokens,
-                                    "trust": ra.trust}
+        out["read_ahead_tokens"] = {k: v * cfg.unit_tokens for k, v in tiers.stats.read_ahead_tokens.items()}
+        out["read_ahead_tokens"]["trust"] = tiers.reads_ahead.trust
     model = engine.tree.policy.describe()
     if model:
         out["policy_model"] = model
     return out
-
-
-def format_table(results: Sequence[dict], infinite: dict) -> str:
-    """Plain-text table: one row per scenario plus the infinite cache."""
-    head = (
-        f"{'scenario':<16}{'hit %':>7}{'block %':>8}{'% of inf':>9}{'HBM %':>7}{'DRAM %':>7}{'NVMe %':>7}"
-        f"{'DRAM@1st %':>11}{'ready %':>8}{'NVMe wait ms':>13}{'unready %':>10}{'queue p50 s':>12}{'p99 s':>7}"
-    )
-    lines = [head, "-" * len(head)]
-    inf_tok = infinite["token_hit_rate"]
-    for r in results:
-        s, w = r["hit_share"], r["queue_wait_s"]
-        lines.append(
-            f"{r['scenario']:<16}{100 * r['hit_rate']:>7.1f}{100 * r['block_hit_rate']:>8.1f}"
-            f"{100 * r['hit_rate'] / inf_tok:>9.1f}{100 * s['hbm']:>7.1f}{100 * s['dram']:>7.1f}{100 * s['nvme']:>7.1f}"
-            f"{100 * r['strict_dram_share']:>11.1f}{100 * r['ready_share']:>8.1f}{r['nvme_wait_s']['per_request_ms']:>13.1f}"
-            f"{100 * r['nvme_unready_share']:>10.2f}{w['p50']:>12.2f}{w['p99']:>7.2f}"
-        )
-    lines.append(f"{'infinite':<16}{100 * inf_tok:>7.1f}{100 * infinite['block_hit_rate']:>8.1f}{100.0:>9.1f}")
-    lines += [
-        "hit %: hit tokens / prompt tokens; block %: per 512-token block; % of inf: hit % / infinite hit %.",
-        "HBM/DRAM/NVMe %: share of hit tokens by where hiradix served them (look-ahead reads count as DRAM, on-demand",
-        "NVMe reads as NVMe); DRAM@1st %: share already in DRAM when the request was first tried for admission;",
-        "ready %: share already in HBM or DRAM then (served without waiting); NVMe wait ms: time requests were",
-        "held back for NVMe reads, per request; unready %: prompt tokens matched on NVMe but admitted unread",
-        "(recomputed); queue: arrival -> admission.",
-    ]
-    return "\n".join(lines)
-
-
-def plot(results: Sequence[dict], infinite: dict, path: Path) -> None:
-    """Stacked bars: hit rate per scenario split by serving tier; a line at infinite."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r["scenario"] for r in results]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    bottom = np.zeros(len(results))
-    for tier, color in zip(TIERS, ("tab:green", "tab:blue", "tab:orange")):
-        vals = np.array([100 * r["hit_tokens"][tier] / r["prompt_tokens"] for r in results])
-        ax.bar(names, vals, bottom=bottom, label=f"from {tier.upper().replace('NVME', 'NVMe')}", color=color)
-        bottom += vals
-    ax.axhline(100 * infinite["token_hit_rate"], color="k", ls="--", label="infinite cache")
-    ax.set_ylim(0, 130 * infinite["token_hit_rate"])
-    ax.set_ylabel("hit rate (% of prompt tokens)")
-    ax.set_title("Trace replay: prefix-cache hit rate, split by the tier that served it")
-    ax.legend(loc="upper left", ncol=4, fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

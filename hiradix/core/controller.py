@@ -121,12 +121,12 @@ class TierController:
         self.journal = journal
         books.nvme_journal = journal
         self.stats = TierStats()
+        self.reads_ahead = returns.ReadAhead(books.dram.capacity, self.stats.read_ahead_tokens)  # predicted returns
         self._prefetch_deadline_s: dict[int, Optional[float]] = {}  # PREFETCH op -> give-up time; None: not yet waited on
         self._expired: set[int] = set()  # PREFETCH op ids whose deadline passed (agreed)
         self._local_done: dict[int, int] = {}  # finished here, not yet agreed: op id -> outcome
         self._results: dict[int, Any] = {}  # I/O JobResult by op id, until applied
         self._nvme_failures_in_row = {Kind.DEMOTE: 0, Kind.PREFETCH: 0}
-        self.reads_ahead = returns.ReadAhead(books.dram.capacity)  # reads for predicted returns
         # Admissions waiting for a read that could not start: stage's first node id -> op id
         # (a pseudo op: its deadline is agreed like a transfer's), and op id -> [node, step expired].
         self._unread_ops: dict[int, int] = {}
@@ -252,6 +252,7 @@ class TierController:
             return busy
         if background:
             self.reads_ahead.started(op.op_id, len(op.src_ids))
+            self.stats.read_ahead_tokens["started"] += len(op.src_ids) * self.tree.page_size
         if kind == Kind.PREFETCH:
             priority = READ_BACKGROUND if background else READ_QUEUED if ahead else READ_AT_ADMISSION
             self.client.submit_load(op.op_id, op.src_ids, op.dst_ids, priority=priority)

@@ -45,12 +45,15 @@ class EvictionPolicy:
         uses_queue: plan the look-ahead window each step and call :meth:`observe_queue`.
         uses_history: call :meth:`observe_insert`, :meth:`observe_delete` and :meth:`observe_step`.
         reads_ahead: read the nodes this policy ranks above DRAM's into DRAM ahead of any request.
+        clock_per_process: its order depends on ages read from this process's clock, so TP ranks
+            (each its own process) could evict differently: the plugin refuses it with TP > 1.
     """
 
     name: str = ""
     uses_queue: bool = False
     uses_history: bool = False
     reads_ahead: bool = False
+    clock_per_process: bool = False
 
     def priority(self, node: TreeNode, tier: Tier) -> tuple:
         """Sort key of ``node`` as an eviction candidate in ``tier`` (smaller = evict sooner)."""

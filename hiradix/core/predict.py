@@ -189,6 +189,7 @@ class PredictivePolicy(LookaheadPolicy):
     name = "predictive"
     uses_history = True
     reads_ahead = True
+    clock_per_process = True  # ages in seconds of this process's clock (not agreed across TP ranks)
 
     def __init__(self, half_life_s: float = 600.0, update_s: float = 10.0, by_turn: bool = True,
                  by_size: bool = True):

@@ -18,7 +18,7 @@ request waits for.
 from __future__ import annotations
 
 import heapq
-from typing import Callable
+from typing import Callable, Optional
 
 from hiradix.core.node import Tier, TreeNode
 from hiradix.core.tree import TieredRadixTree
@@ -48,7 +48,8 @@ def plan(tree: TieredRadixTree, key: Callable[[TreeNode, Tier], tuple], free_pag
     Args:
         tree: the tree (read only).
         key: the policy's priority (larger = more likely reused soon).
-        worth: the policy's filter: only prefixes whose last node it accepts are read.
+        worth: the policy's filter: only prefixes whose last node it accepts are read (asked of
+            the best-ranked ones only: what it refuses must rank below what it accepts).
         free_pages: free DRAM pages this may take (above the low-water mark), >= 0.
         max_pages: pages all the reads together may cover (the budget left in flight).
         src: NVME, or STORE for prefixes another server put in the cluster store.
@@ -60,9 +61,9 @@ def plan(tree: TieredRadixTree, key: Callable[[TreeNode, Tier], tuple], free_pag
     if max_pages <= 0:
         return []
     ps = tree.page_size
-    leaves = [n for n in tree.candidates(src) if not n.children and not n.in_tier(Tier.DRAM)
-              and not n.in_tier(Tier.HBM) and worth(n)]
-    best = heapq.nlargest(MAX_PATHS_RANKED, leaves, key=lambda n: key(n, Tier.DRAM))
+    held = tree.sole_copies(Tier.STORE) if src == Tier.STORE else tree.candidates(src)  # the store evicts on its own
+    leaves = [n for n in held if not n.children and not n.in_tier(Tier.DRAM) and not n.in_tier(Tier.HBM)]
+    best = [n for n in heapq.nlargest(MAX_PATHS_RANKED, leaves, key=lambda n: key(n, Tier.DRAM)) if worth(n)]
     if not best:
         return []
     # Redundant DRAM copies, most valuable first (pop() = least); not those read ahead and not
@@ -106,13 +107,14 @@ class ReadAhead:
 
     Args:
         dram_pages: DRAM capacity, in pages.
+        tokens: where the totals go (``TierStats.read_ahead_tokens``: ``used``, ``wasted``).
     """
 
-    def __init__(self, dram_pages: int):
+    def __init__(self, dram_pages: int, tokens: Optional[dict] = None):
         self.max_pages = max(1, int(READ_AHEAD_DRAM_SHARE * dram_pages))
         self.in_flight: dict[int, int] = {}  # op id -> pages
         self.unused: dict[int, TreeNode] = {}  # node id -> node whose DRAM copy was read ahead, unused
-        self.used_tokens = self.wasted_tokens = 0  # totals
+        self.tokens = tokens if tokens is not None else {"used": 0, "wasted": 0}  # totals
         self._used = self._wasted = 0.0  # decayed
         self.next_s, self._idle = 0.0, 0
 
@@ -149,7 +151,7 @@ class ReadAhead:
         """A request loads ``nodes`` from DRAM: those read ahead paid off."""
         for node in nodes:
             if self.unused.pop(node.id, None) is not None:
-                self.used_tokens += node.num_tokens
+                self.tokens["used"] += node.num_tokens
                 self._used += node.num_tokens
 
     def _settle(self) -> None:
@@ -159,7 +161,7 @@ class ReadAhead:
         for node_id, node in list(self.unused.items()):
             if not node.alive or not node.in_tier(Tier.DRAM):
                 del self.unused[node_id]
-                self.wasted_tokens += node.num_tokens
+                self.tokens["wasted"] += node.num_tokens
                 self._wasted += node.num_tokens
 
     def reset(self) -> None:

@@ -8,6 +8,7 @@ from hiradix.core.ledger import Kind
 
 PREFETCH_OUTCOMES = ("started", "completed", "failed", "used", "wasted")
 STORE_OUTCOMES = ("used",)  # the store tier's other counts live in StoreTier.counts
+READ_AHEAD_OUTCOMES = ("started", "used", "wasted")
 
 
 @dataclass
@@ -22,6 +23,8 @@ class TierStats:
             waiting request started the read), wasted (dropped from DRAM before any use; the
             ledger counts those, ``TierBooks.wasted_prefetch_tokens``).
         store_tokens: tokens fetched from the cluster store that were promoted to HBM (used).
+        read_ahead_tokens: reads for predicted returns (``hiradix.core.returns``), in tokens:
+            started, used (a request loaded them from DRAM), wasted (left DRAM unused).
         admission_skips: times admission skipped a request waiting for its NVMe or store reads.
         restored_pages: NVMe pages re-indexed from the durable index at start.
     """
@@ -30,5 +33,6 @@ class TierStats:
     transfers_failed: dict[str, int] = field(default_factory=lambda: {k.name: 0 for k in Kind})
     prefetch_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREFETCH_OUTCOMES, 0))
     store_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STORE_OUTCOMES, 0))
+    read_ahead_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(READ_AHEAD_OUTCOMES, 0))
     admission_skips: int = 0
     restored_pages: int = 0

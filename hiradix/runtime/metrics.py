@@ -9,6 +9,7 @@ Hits per tier are already exported by SGLang itself from the per-request fields 
 * ``hiradix_moved_bytes_total{kind}``            BACKUP, PROMOTE, DEMOTE, PREFETCH bytes that landed
 * ``hiradix_failed_transfers_total{kind}``       transfers with at least one failed page
 * ``hiradix_prefetch_tokens_total{outcome}``     started, completed, failed, used, wasted
+* ``hiradix_read_ahead_tokens_total{outcome}``   reads for predicted returns: started, used, wasted
 * ``hiradix_dropped_tokens_total{tier}``         tokens that left their last tier (lost)
 * ``hiradix_admission_skips_total``              requests skipped while their prefetch ran
 * ``hiradix_tier_tokens{tier}``                  tokens held per tier (gauge)
@@ -48,6 +49,8 @@ class TierMetrics:
         self.moved = Counter("hiradix_moved_bytes_total", "Bytes moved between tiers", names + ["kind"])
         self.failed = Counter("hiradix_failed_transfers_total", "Transfers with a failed page", names + ["kind"])
         self.prefetch = Counter("hiradix_prefetch_tokens_total", "NVMe->DRAM prefetch tokens by outcome", names + ["outcome"])
+        self.read_ahead = Counter("hiradix_read_ahead_tokens_total", "Reads for predicted returns by outcome",
+                                  names + ["outcome"])
         self.dropped = Counter("hiradix_dropped_tokens_total", "Tokens that left their last tier", names + ["tier"])
         self.skips = Counter("hiradix_admission_skips_total", "Admissions skipped for a pending prefetch", names)
         gauge = dict(multiprocess_mode="mostrecent")
@@ -78,6 +81,8 @@ class TierMetrics:
         prefetch = dict(stats.prefetch_tokens, wasted=books.wasted_prefetch_tokens)
         for outcome, value in prefetch.items():
             self._advance(self.prefetch, ("prefetch", outcome), value, outcome=outcome)
+        for outcome, value in stats.read_ahead_tokens.items():
+            self._advance(self.read_ahead, ("read_ahead", outcome), value, outcome=outcome)
         for tier, value in zip(TIERS, books.dropped_tokens):
             self._advance(self.dropped, ("dropped", tier), value, tier=tier)
         self._advance(self.skips, ("skips",), stats.admission_skips)

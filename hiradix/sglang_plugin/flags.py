@@ -19,6 +19,7 @@ import os
 from typing import Any
 
 from hiradix.config import ENV_VAR, FLAGS, VALUE_FLAGS, HiRadixConfig, HiRadixConfigError, check_machine
+from hiradix.core.policy import make_policy
 from hiradix.sglang_plugin import hooks
 from hiradix.sglang_plugin.model_check import read_hf_config, unsupported_model_config_reason, unsupported_model_reason
 from hiradix.sglang_plugin.refusals import (
@@ -126,6 +127,10 @@ def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -
         refuse(str(e))
     if result.page_size is not None and result.page_size < 1:
         refuse(f"--page-size must be >= 1 with --enable-hiradix, got {result.page_size}")
+    tp_size = int(getattr(result, "tp_size", 1) or 1)
+    if tp_size > 1 and make_policy(config.policy).clock_per_process:
+        refuse(f"--hiradix-policy {config.policy} cannot be combined with --tp-size {tp_size} (it ranks by ages "
+               "on each process's own clock, and TP ranks must evict alike); use --hiradix-policy lookahead")
     found = read_hf_config(str(result.model_path), getattr(result, "revision", None))
     if found is not None:
         hf_config, where = found

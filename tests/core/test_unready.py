@@ -239,8 +239,34 @@ def test_read_ahead_behind_admission_reads_and_its_budget_follows_its_record():
     s.tiers.placement.make_room(Tier.DRAM, s.tiers.books.dram.capacity)
     ra.next_s = 0.0
     assert ra.budget(s.clock(), other_reads=False) == 1 and ra.trust == 0.0
-    assert ra.wasted_tokens == 8 and ra.used_tokens == 0
+    assert s.tiers.stats.read_ahead_tokens == {"started": 8, "used": 0, "wasted": 8}
     # a read ahead that a request then uses counts for it
     ra.unused[convs[25.0].id] = convs[25.0]
     ra.used([convs[25.0]])
-    assert ra.used_tokens == 4 and 0.0 < ra.trust < 1.0
+    assert s.tiers.stats.read_ahead_tokens["used"] == 4 and 0.0 < ra.trust < 1.0
+
+
+def test_plan_ranks_by_the_key_and_displaces_only_lower_ranked_redundant_copies():
+    # A tree alone (plan is read-only): X, Y on NVMe only; Z only in the cluster store (another
+    # server put it); V and W are DRAM copies also on NVMe. Keys: W 9 > X 5 > Z 4 > Y 3 > V 1.
+    tree = TieredRadixTree(PS, LRUPolicy(), clock=SimClock())
+    root = tree.root
+    nodes = {}
+    for name, tag, tiers in (("X", 1, [Tier.NVME]), ("Y", 2, [Tier.NVME]), ("Z", 3, [Tier.STORE]),
+                             ("V", 4, [Tier.NVME, Tier.DRAM]), ("W", 5, [Tier.NVME, Tier.DRAM])):
+        ids = [f"k{tag}-0", f"k{tag}-1"] if tiers[0] == Tier.STORE else [tag * 10, tag * 10 + 1]
+        node = tree.add_child(root, keys(tag), None, tiers[0], ids)
+        for extra in tiers[1:]:
+            tree.attach(node, extra, [tag * 10 + 5, tag * 10 + 6])
+        nodes[name] = node
+    rank = {"W": 9, "X": 5, "Z": 4, "Y": 3, "V": 1}
+    key = lambda n, tier: (rank[next(k for k, v in nodes.items() if v is n)],)  # noqa: E731
+    # no free DRAM: X (2 pages) displaces V (ranked lower); Y would have to displace W: no
+    assert returns.plan(tree, key, free_pages=0, max_pages=16) == [[nodes["X"]]]
+    # 2 free pages and V: both NVMe prefixes fit; the budget caps them to the first
+    assert returns.plan(tree, key, free_pages=2, max_pages=16) == [[nodes["X"]], [nodes["Y"]]]
+    assert returns.plan(tree, key, free_pages=2, max_pages=3) == [[nodes["X"]]]
+    # from the cluster store: Z, read into free DRAM
+    assert returns.plan(tree, key, free_pages=2, max_pages=16, src=Tier.STORE) == [[nodes["Z"]]]
+    # the policy's filter decides what is worth reading at all
+    assert returns.plan(tree, key, 2, 16, worth=lambda n: n is not nodes["X"]) == [[nodes["Y"]]]

@@ -5,7 +5,7 @@
 * Tiers: an HBM pool far smaller than the working set, a small DRAM tier and an NVMe tier;
   20 sessions x 4 turns interleaved so histories fall to NVMe; from turn 2 hits come from
   DRAM and NVMe (per-request cached_tokens_details), outputs identical to a stock server
-  whose HBM holds everything.
+  whose HBM holds everything; with each policy (`lru`, `lookahead`, `predictive`).
 * Faults (a slow disk, a crashing worker, ENOSPC, bad reads, a truncated file): see
   tests/e2e/test_e2e_faults.py.
 
@@ -52,13 +52,16 @@ def test_foundation_sessions_match_stock(tiny_model: Path, tmp_path: Path, stock
 
 @pytest.fixture(scope="module")
 def tiered_runs(tiny_model: Path, tmp_path_factory) -> dict[str, list[list[dict]]]:
-    """The same queued workload on hiradix `lru` and `lookahead`, HBM << working set."""
+    """The same queued workload on hiradix `lru`, `lookahead` and `predictive`, HBM << working set."""
     runs = {}
-    for policy in ("lru", "lookahead"):
+    for policy in ("lru", "lookahead", "predictive"):
         tmp = tmp_path_factory.mktemp(policy)
         with start(tiny_model, tmp / "server.log", 2048, tiered_flags(tmp / "nvme", policy)) as srv:
             runs[policy] = run_sessions(srv.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS)
             runs[policy + "_prefetch_started"] = metric(srv.base_url, "hiradix_prefetch_tokens_total", outcome="started")
+            runs[policy + "_moved"] = {kind: metric(srv.base_url, "hiradix_moved_bytes_total", kind=kind)
+                                       for kind in ("BACKUP", "PROMOTE", "DEMOTE", "PREFETCH")}
+            runs[policy + "_log"] = srv.log_text()
     return runs
 
 
@@ -79,3 +82,15 @@ def test_lookahead_serves_more_hits_from_dram_than_lru(tiered_runs, stock_output
     assert share["lookahead"] > share["lru"], (la, lru)
     assert tiered_runs["lookahead_prefetch_started"] > 0
     assert tiered_runs["lru_prefetch_started"] == 0 or share["lookahead"] > share["lru"]
+
+
+def test_predictive_policy_matches_stock_with_every_tier_churning(tiered_runs, stock_outputs):
+    """Issue 12: `--hiradix-policy predictive` in the server keeps greedy outputs token-identical
+    to stock while HBM, DRAM and NVMe all take and give back KV."""
+    got = tiered_runs["predictive"]
+    assert "policy=predictive" in tiered_runs["predictive_log"]
+    assert_same_outputs(got, stock_outputs)
+    moved = tiered_runs["predictive_moved"]
+    assert all(moved[kind] > 0 for kind in ("BACKUP", "PROMOTE", "DEMOTE", "PREFETCH")), moved
+    hits = tier_hits(got)
+    assert hits["host"] > 0 and sum(hits.values()) > 0, hits

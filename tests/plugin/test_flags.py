@@ -186,6 +186,8 @@ REFUSALS = [
     ("dram-below-one-page", ["--hiradix-dram-gb", "0.00001"], ["--hiradix-dram-gb 1e-05 (10000 bytes) holds no KV page"]),
     ("nvme-below-one-page", ["--hiradix-nvme-path", "/tmp", "--hiradix-nvme-gb", "0.00001"], ["--hiradix-nvme-gb 1e-05 (10000 bytes) holds no KV page"]),
     ("page-size-below-one", ["--page-size", "-16"], ["--page-size must be >= 1 with --enable-hiradix, got -16"]),
+    ("predictive-with-tp", ["--hiradix-policy", "predictive", "--tp-size", "2"],
+     ["--hiradix-policy predictive cannot be combined with --tp-size 2", "use --hiradix-policy lookahead"]),
 ]  # fmt: skip
 
 
@@ -536,7 +538,7 @@ def test_config_converts_gb_and_resolves_path(tmp_path, monkeypatch):
         (dict(lookahead_window=0), "--hiradix-lookahead-window must be >= 1 (requests), got 0"),
         (dict(policy="lru", lookahead_window=8),
          "--hiradix-lookahead-window applies only to --hiradix-policy lookahead"),
-        (dict(policy="fifo"), "--hiradix-policy must be one of ['lru', 'lookahead'], got 'fifo'"),
+        (dict(policy="fifo"), "--hiradix-policy must be one of ['lru', 'lookahead', 'predictive'], got 'fifo'"),
         (dict(write_policy="write_around"),
          "--hiradix-write-policy must be one of ['write_through', 'write_back'], got 'write_around'"),
         (dict(load_timeout_s=0), "--hiradix-load-timeout-s must be a finite number > 0 (seconds), got 0.0"),
@@ -793,7 +795,7 @@ def test_config_reaches_the_scheduler(venv_python, cpu_env, cpu_flags, tiny_mode
     output = watch_server(venv_python, args, cpu_env, tmp_path, "hiradix: building the cache", 180)
     summary = (
         "policy=lookahead, lookahead_window=64, write_policy=write_through, "
-        f"dram_bytes=500000000, nvme={nvme} (250000000 bytes), load_timeout_s=2"
+        f"dram_bytes=500000000, nvme={nvme} (250000000 bytes), store=off, load_timeout_s=2"
     )
     assert f"hiradix: enabled ({summary}, page_size=16)" in output, output[-4000:]
     assert output.count("hiradix: enabled") == 1  # checked once, not again in children
