@@ -16,6 +16,11 @@ ancestors of what landed there. It owns the NVMe tier's on/off switch: the tier 
 one warning, after repeated I/O-worker deaths or ``MAX_NVME_FAILURES_IN_ROW`` failed NVMe writes
 or reads in a row (:meth:`switch_off_nvme`); the cache then goes on with HBM and DRAM.
 
+Reads into DRAM come in three priorities (``hiradix.core.ports.READ_*``, the I/O worker's order):
+for a request at admission, which waits for them up to its timeout (also when its read could
+not start yet for want of DRAM room, :meth:`unread_pending`); for queued requests (the look-ahead
+window); and for prefixes the policy predicts will return (:meth:`read_ahead`, background).
+
 Where it waits: NVMe I/O never runs on the scheduler thread, but two things here can block it
 briefly. A write-back eviction with DRAM full of pages on their way to NVMe waits for stores to
 land, at most ``DEMOTION_WAIT_S`` (TP = 1 only). The durable NVMe index is appended to, and
@@ -280,8 +285,9 @@ class TierController:
         for src, on in ((Tier.NVME, self.books.nvme_enabled), (Tier.STORE, self.store_enabled)):
             for tail in returns.plan(self.tree, key, free, budget, src, worth) if on and budget > 0 else ():
                 pages = sum(n.num_tokens for n in tail) // self.tree.page_size
-                if self.prefetch(tail, timeout_s, src=src, background=True):
+                if budget > 0 and self.prefetch(tail, timeout_s, src=src, background=True):
                     started, budget, free = started + 1, budget - pages, max(0, free - pages)
+                    budget = 0 if self.reads_ahead.probing else budget  # a probe is one read
         self.reads_ahead.planned(now, started)
         return started
 

@@ -92,6 +92,8 @@ def plan(tree: TieredRadixTree, key: Callable[[TreeNode, Tier], tuple], free_pag
 READ_AHEAD_EVERY_S = 1.0  # how often reads for predicted returns are planned (while some start)
 READ_AHEAD_DRAM_SHARE = 1 / 16  # DRAM pages these reads may have in flight, at full trust
 TRUST_FULL = 0.5  # the full budget once this share of the tokens read ahead is used
+TRUST_MIN = 0.1  # below this share, only a probe: one read every PROBE_EVERY_S
+PROBE_EVERY_S = 30.0
 TRUST_DECAY = 0.98  # per plan: the record follows the workload
 
 
@@ -100,8 +102,9 @@ class ReadAhead:
 
     A read ahead pays only if a request uses its pages before DRAM drops them. ``trust`` is the
     decaying share of tokens read ahead that were used (1 before any record); the pages in
-    flight are bounded by ``READ_AHEAD_DRAM_SHARE`` of DRAM times ``trust / TRUST_FULL`` (at
-    least one page, so a better workload can earn the budget back). A plan is made at most every
+    flight are bounded by ``READ_AHEAD_DRAM_SHARE`` of DRAM times ``trust / TRUST_FULL``. Below
+    ``TRUST_MIN`` only a probe is made, one read every ``PROBE_EVERY_S``, so that a workload whose
+    returns become predictable earns the budget back. A plan is made at most every
     ``READ_AHEAD_EVERY_S``, up to 8x less often while none starts, and never while a read that a
     request waits for (or will) is in flight: those come first.
 
@@ -123,18 +126,26 @@ class ReadAhead:
         total = self._used + self._wasted
         return 1.0 if total <= 0 else self._used / total
 
+    @property
+    def probing(self) -> bool:
+        """Too few reads ahead were used: one probe read per ``PROBE_EVERY_S`` only."""
+        return self.trust < TRUST_MIN
+
     def budget(self, now_s: float, other_reads: bool) -> int:
         """Pages a plan made now may read (0: not now)."""
         if now_s < self.next_s or other_reads:
             return 0
         self._settle()
+        if self.probing:
+            return self.max_pages if not self.in_flight else 0
         cap = max(1, int(self.max_pages * min(1.0, self.trust / TRUST_FULL)))
         return max(0, cap - sum(self.in_flight.values()))
 
     def planned(self, now_s: float, started: int) -> None:
         """A plan at ``now_s`` started ``started`` reads: the next plan comes sooner or later."""
         self._idle = 0 if started else min(self._idle + 1, 3)
-        self.next_s = now_s + READ_AHEAD_EVERY_S * 2 ** self._idle
+        wait_s = PROBE_EVERY_S if self.probing and started else READ_AHEAD_EVERY_S * 2 ** self._idle
+        self.next_s = now_s + wait_s
 
     def started(self, op_id: int, pages: int) -> None:
         self.in_flight[op_id] = pages

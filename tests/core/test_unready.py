@@ -235,10 +235,14 @@ def test_read_ahead_behind_admission_reads_and_its_budget_follows_its_record():
     s.at(s.clock() + 1.0)  # the admission read landed; this step's plan reads the other two ahead
     assert [p for _, p in s.submitted[before:]] == [READ_BACKGROUND] * 2
     s.at(s.clock() + 2.0)
-    # neither is used and DRAM drops both: trust falls, and the budget with it (floor: one page)
+    # neither is used and DRAM drops both: trust falls to 0, and reads ahead become probes,
+    # one read every PROBE_EVERY_S
     s.tiers.placement.make_room(Tier.DRAM, s.tiers.books.dram.capacity)
     ra.next_s = 0.0
-    assert ra.budget(s.clock(), other_reads=False) == 1 and ra.trust == 0.0
+    assert ra.budget(s.clock(), other_reads=False) == ra.max_pages and ra.trust == 0.0 and ra.probing
+    ra.planned(s.clock(), started=1)
+    assert ra.next_s == s.clock() + returns.PROBE_EVERY_S
+    assert ra.budget(s.clock() + 1.0, other_reads=False) == 0
     assert s.tiers.stats.read_ahead_tokens == {"started": 8, "used": 0, "wasted": 8}
     # a read ahead that a request then uses counts for it
     ra.unused[convs[25.0].id] = convs[25.0]
