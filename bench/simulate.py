@@ -98,6 +98,8 @@ class SimConfig:
     lookahead_window: int = 64  # W
     load_timeout_s: float = 2.0  # wait for NVMe reads at most this long
     write_through: bool = True  # back up to DRAM at insert
+    write_selective: bool = False  # ...only nodes hit again (HiCache's write_through_selective)
+    dram_staging: bool = False  # DRAM only carries pages in flight (--hiradix-dram-mode staging)
     token_level: bool = False  # page_size ids per page in the tree (else one per page)
     time_scale: float = 1.0  # arrival times are multiplied by this
     check_every_step: bool = False  # books.check_integrity() after every step (slow)
@@ -268,6 +270,7 @@ class Engine:
                 self.tree, cfg.dram_tokens // cfg.page_size, nvme_pages, cfg.page_bytes, cfg.write_through, self.clock,
                 read_s_per_page=cfg.page_bytes / cfg.nvme_read_bytes_per_s,
                 write_s_per_page=cfg.page_bytes / cfg.nvme_write_bytes_per_s,
+                write_selective=cfg.write_selective, dram_staging=cfg.dram_staging,
             )  # fmt: skip
         device = SimDevicePool(cfg.hbm_tokens // u, tree_ps)
         self.device = device
@@ -379,7 +382,7 @@ class Engine:
         if need > self.device.available_size() + tree.hbm_evictable_tokens:
             tree.dec_lock(m.hbm_node)
             return False
-        loaded, waited, last = cache.load_back(m.hbm_node, m.dram_node, m.dram_len)
+        loaded, storage, last = cache.load_back(m.hbm_node, m.dram_node, m.dram_len)
         if last is not m.hbm_node:
             tree.inc_lock(last)
             tree.dec_lock(m.hbm_node)
@@ -391,7 +394,7 @@ class Engine:
         req.lock, req.protected_len, req.admitted_s = last, hit, self.clock()
         req.row = cache.path_slots(last) + new[: len(req.key) - hit]
         req.scratch = new[len(req.key) - hit :]
-        req.served = (m.hbm_len, loaded - waited, waited)
+        req.served = (m.hbm_len, loaded - storage, storage)
         self._count_hits(req, m)
         return True
 
@@ -497,8 +500,8 @@ def format_table(results: Sequence[dict], infinite: dict) -> str:
     lines.append(f"{'infinite':<16}{100 * inf_tok:>7.1f}{100 * infinite['block_hit_rate']:>8.1f}{100.0:>9.1f}")
     lines += [
         "hit %: hit tokens / prompt tokens; block %: per 512-token block; % of inf: hit % / infinite hit %.",
-        "HBM/DRAM/NVMe %: share of hit tokens by where hiradix served them (look-ahead reads count as DRAM, on-demand",
-        "NVMe reads as NVMe); DRAM@1st %: share already in DRAM when the request was first tried for admission;",
+        "HBM/DRAM/NVMe %: share of hit tokens by where hiradix served them (pages read up from NVMe count as NVMe,",
+        "read ahead by the look-ahead or on demand); DRAM@1st %: share already in DRAM when the request was first tried;",
         "NVMe wait ms: time requests were held back for NVMe reads, per request; queue: arrival -> admission.",
     ]
     return "\n".join(lines)

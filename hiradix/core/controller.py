@@ -44,6 +44,8 @@ DEMOTION_WAIT_S = 0.2
 # switched off: a healthy disk fails none, so this many in a row is a broken tier.
 MAX_NVME_FAILURES_IN_ROW = 5
 SUMMARY_EVERY_S = 10.0  # one log line of occupancy this often
+# Selective write-through backs up a node once used again: its insert counts 1 in hit_count.
+SELECTIVE_MIN_HITS = 2
 
 
 def outcome_of(result: Any) -> int:
@@ -71,6 +73,12 @@ class TierController:
         sync: TP agreement on completions (default: a single rank).
         journal: the durable NVMe index, or None (nothing persisted).
         dram_free_low_pages: see :class:`Placement`; default ``DRAM_FREE_LOW`` of DRAM.
+        dram_staging: DRAM holds pages only in flight between HBM and NVMe (``--hiradix-dram-mode
+            staging``): a DRAM copy goes as soon as its store to NVMe or its promotion to HBM lands.
+        write_selective: SGLang HiCache's ``write_through_selective``, for measurements (the
+            simulator): back up only nodes hit again (at insert or at the hit); a node never hit
+            leaves HBM without a copy. Not a server flag: it loses the chat histories this
+            cache exists for (bench/RESULTS.md, "Selective write-through").
     """
 
     def __init__(
@@ -85,10 +93,15 @@ class TierController:
         sync: Optional[RankAgreement] = None,
         journal: Optional[NvmeJournal] = None,
         dram_free_low_pages: Optional[int] = None,
+        dram_staging: bool = False,
+        write_selective: bool = False,
     ):
         self.tree = tree
         self.books = books
+        self.dram_staging = dram_staging
+        self.write_selective = write_selective
         low = int(DRAM_FREE_LOW * books.dram.capacity) if dram_free_low_pages is None else dram_free_low_pages
+        low = books.dram.capacity if dram_staging else low  # staging: every stored page leaves DRAM
         self.placement = Placement(tree, books, low)
         self.mover = mover
         self.client = client
@@ -118,10 +131,17 @@ class TierController:
         if not self.write_through:
             return
         nodes = [n for n in new_nodes if n.alive and not n.in_tier(Tier.DRAM) and n.in_tier(Tier.HBM)]
+        if self.write_selective:
+            nodes = [n for n in nodes if n.hit_count >= SELECTIVE_MIN_HITS]
         if nodes:
             op = self.placement.prepare(Kind.BACKUP, nodes)
             if op is not None:
                 self.mover.backup(op)
+
+    def after_hit(self, nodes: list[TreeNode]) -> None:
+        """Selective write-through only: back up the HBM-only nodes a request just hit again."""
+        if self.write_selective:
+            self.after_insert(nodes)
 
     # ------------------------------------------------------------ HBM eviction
     def evict_hbm(self, num_tokens: int) -> list[Any]:
@@ -131,7 +151,8 @@ class TierController:
             Freed device slot arrays for SGLang's allocator.
         """
         self._reap(self.mover.flush())  # pending copies pin HBM slots; land them first
-        freed = self.placement.evict_hbm(num_tokens, backup=self._backup_now)
+        backup = (lambda n: n.hit_count >= SELECTIVE_MIN_HITS and self._backup_now(n)) if self.write_selective else self._backup_now
+        freed = self.placement.evict_hbm(num_tokens, backup=backup)
         self._store_last_copies()  # what just became DRAM-only starts down to NVMe now
         return freed
 
@@ -160,14 +181,18 @@ class TierController:
         """Promote DRAM nodes into the given new HBM slots, layer by layer.
 
         Returns:
-            Tokens a request waited for at admission while they were read from NVMe (reported
-            as NVMe hits; pages the look-ahead read earlier count as DRAM hits).
+            Tokens whose DRAM copy was read up from NVMe for this use (reported as NVMe hits,
+            SGLang's ``storage``), whether the look-ahead read them ahead of admission or the
+            request waited for the read; the rest were DRAM residents (``host``).
         """
-        self.stats.prefetch_tokens["used"] += sum(n.num_tokens for n in nodes if n.dram_from_nvme)
+        from_nvme = sum(n.num_tokens for n in nodes if n.dram_from_nvme)
         waited = sum(n.num_tokens for n in nodes if n.waited_for_read)
+        self.stats.prefetch_tokens["used"] += from_nvme
+        self.stats.storage_hit_tokens["ahead"] += from_nvme - waited
+        self.stats.storage_hit_tokens["at_admission"] += waited
         op = self.books.prepare(Kind.PROMOTE, nodes, hbm_slots=hbm_slots)
         self.mover.promote(op)
-        return waited
+        return from_nvme
 
     def start_loading(self) -> int:
         """Start the promotions queued for the batch being built; returns its consumer index."""
@@ -267,6 +292,8 @@ class TierController:
             self._note_nvme_outcome(op.kind, ok_pages == pages)
         if op.kind == Kind.DEMOTE:
             self.placement.after_demote(op)
+        elif op.kind == Kind.PROMOTE and self.dram_staging:
+            self.placement.after_promote(op)
         elif op.kind == Kind.PREFETCH:
             self.stats.prefetch_tokens["completed"] += ok_pages * self.tree.page_size
             self.stats.prefetch_tokens["failed"] += (pages - ok_pages) * self.tree.page_size

@@ -58,7 +58,7 @@ class TreeNode:
     last_access_s: float = 0.0  # monotonic seconds of the last match/insert touching it
     hit_count: int = 0  # times a request other than the inserter reused it
     dram_from_nvme: bool = False  # the DRAM copy was read from NVMe and not promoted to HBM since
-    waited_for_read: bool = False  # ...and a request waited at admission for that read (an NVMe hit)
+    waited_for_read: bool = False  # ...and a request waited at admission for that read (not read ahead)
     # hiradix.persistence: hash of the prefix through this node's last page, cached; a split
     # leaves it on the lower node (same last page) and not on the new upper one.
     chain_hash: Optional[bytes] = None

@@ -11,7 +11,9 @@ moved. Everything that decides to drop a copy is here:
   saved to DRAM by the caller's write-back (``backup``); if it cannot be, the node's KV is
   lost, and so is what hangs below it on lower tiers (unreachable without this prefix).
 * :meth:`Placement.after_demote`: whether the DRAM copy of a page just stored on NVMe stays
-  (a DRAM hit for the next turn) or goes (DRAM is short: below ``DRAM_FREE_LOW`` free).
+  (a DRAM hit for the next turn) or goes (DRAM is short: below ``DRAM_FREE_LOW`` free; always
+  in staging mode). :meth:`Placement.after_promote`: staging mode drops a promoted page's DRAM
+  copy when NVMe holds it too.
 * :meth:`Placement.forget_nvme`: what the NVMe tier's copies become when it is switched off.
 
 Rule: a copy leaves the last tier holding it only when there is nowhere below to keep it;
@@ -119,6 +121,12 @@ class Placement:
             if (node.alive and node.in_tier(Tier.NVME) and node.in_tier(Tier.DRAM)
                     and node.pinned[Tier.DRAM] == 0 and books.dram.num_free < self.dram_free_low_pages):
                 books.drop_copy(node, Tier.DRAM)
+
+    def after_promote(self, op: Transfer) -> None:
+        """Staging mode only: a promotion to HBM landed; drop the DRAM copies NVMe also holds."""
+        for node in op.nodes:
+            if node.alive and node.in_tier(Tier.NVME) and node.in_tier(Tier.DRAM) and node.pinned[Tier.DRAM] == 0:
+                self.books.drop_copy(node, Tier.DRAM)
 
     def demotion_order(self) -> list[TreeNode]:
         """DRAM-only nodes not in a transfer, in policy order: the next to store to NVMe."""

@@ -3,7 +3,7 @@
 :class:`TieredPrefixCache` is what SGLang's ``BasePrefixCache`` contract
 (``sglang/srt/mem_cache/base_prefix_cache.py``) asks of a radix cache, in the core's own terms:
 token ids, a namespace, device slot arrays from a :class:`~hiradix.core.ports.DevicePool`.
-The server's seam (:class:`hiradix.sglang_plugin.cache.HiRadixCache`) translates SGLang's
+The server's seam (:class:`hiradix.sglang_plugin.cache.TieredRadixCache`) translates SGLang's
 ``RadixKey``/``Req``/``MatchResult`` into these calls; the trace simulator (``bench/simulate.py``)
 makes the same calls over data-less ports, so it proves what the server does.
 
@@ -70,8 +70,11 @@ class TieredPrefixCache:
         (:meth:`should_wait`) up to ``load_timeout_s``.
         """
         m = self.tree.match(tokens, namespace)
-        if m.nvme_len and self.tiers is not None:
-            self.tiers.prefetch(m.stage(Tier.NVME), self.load_timeout_s)
+        if self.tiers is not None:
+            if m.hbm_len and self.tiers.write_selective:
+                self.tiers.after_hit(m.stage(Tier.HBM))
+            if m.nvme_len:
+                self.tiers.prefetch(m.stage(Tier.NVME), self.load_timeout_s)
         return m
 
     def should_wait(self, tokens: Key, namespace: Namespace = None) -> bool:
@@ -93,8 +96,9 @@ class TieredPrefixCache:
             num_tokens: DRAM tokens the match reported between them.
 
         Returns:
-            ``(loaded_tokens, waited_tokens, new_last_node)``: ``waited_tokens`` of them were
-            read from NVMe while the request waited (NVMe hits); ``(0, 0, start)`` when the path
+            ``(loaded_tokens, storage_tokens, new_last_node)``: ``storage_tokens`` of them had
+            their DRAM copy read up from NVMe for this use (NVMe hits, whether read ahead by the
+            look-ahead window or while the request waited); ``(0, 0, start)`` when the path
             changed since the match or device memory cannot be found (the request recomputes).
         """
         if self.tiers is None or num_tokens <= 0 or end is start or not end.alive:
@@ -111,8 +115,8 @@ class TieredPrefixCache:
             self.tiers.books.release(nodes, Tier.DRAM)
         if slots is None:
             return 0, 0, start
-        waited = self.tiers.load_back(nodes, slots)
-        return num_tokens, waited, end
+        storage = self.tiers.load_back(nodes, slots)
+        return num_tokens, storage, end
 
     def start_loading(self) -> int:
         """Start the promotions queued while building a batch; returns its consumer index (-1: none)."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from hiradix.core.ledger import Kind
 
 PREFETCH_OUTCOMES = ("started", "completed", "failed", "used", "wasted")
+STORAGE_HIT_READS = ("ahead", "at_admission")
 
 
 @dataclass
@@ -20,6 +21,9 @@ class TierStats:
             failed, used (promoted to HBM for a request, whether the look-ahead window or a
             waiting request started the read), wasted (dropped from DRAM before any use; the
             ledger counts those, ``TierBooks.wasted_prefetch_tokens``).
+        storage_hit_tokens: NVMe hits (tokens promoted to HBM from a DRAM copy read up from NVMe
+            for that use) by when the read ran: ``ahead`` (the look-ahead window read them before
+            the request reached admission) or ``at_admission`` (the request waited for the read).
         admission_skips: times admission skipped a request waiting for its NVMe reads.
         restored_pages: NVMe pages re-indexed from the durable index at start.
     """
@@ -27,5 +31,6 @@ class TierStats:
     bytes_moved: dict[str, int] = field(default_factory=lambda: {k.name: 0 for k in Kind})
     transfers_failed: dict[str, int] = field(default_factory=lambda: {k.name: 0 for k in Kind})
     prefetch_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREFETCH_OUTCOMES, 0))
+    storage_hit_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STORAGE_HIT_READS, 0))
     admission_skips: int = 0
     restored_pages: int = 0

@@ -75,6 +75,38 @@ def _open_index(nvme_dir: Path, identity: dict, layout: KVLayout, tp_rank: int, 
     return NvmeIndex.open(nvme_dir, fingerprint, nvme_slots, page_size)
 
 
+def dram_bytes_of(config: Any, layout: KVLayout, device_pages: int) -> int:
+    """The DRAM tier's bytes: ``--hiradix-dram-gb``, or ``--hiradix-dram-ratio`` x the device pool.
+
+    Args:
+        config: hiradix settings (``dram_bytes`` / ``dram_ratio``).
+        layout: the KV page layout (``page_bytes``: one page, all layers, K and V).
+        device_pages: pages of the device KV pool (SGLang's ``kv_pool.size // page_size``).
+
+    Raises:
+        hiradix.config.HiRadixConfigError: the ratio gives less than one page, or more than the
+            available RAM (known only here, once the device pool is sized).
+    """
+    import psutil
+
+    from hiradix.config import FLAG_OF_FIELD, HiRadixConfigError
+
+    device_bytes = device_pages * layout.page_bytes
+    dram_bytes = config.dram_bytes_for(device_bytes)
+    if config.dram_ratio:
+        flag = f"{FLAG_OF_FIELD['dram_ratio']} {config.dram_ratio:g}"
+        if dram_bytes < layout.page_bytes:
+            raise HiRadixConfigError(f"{flag} x the device pool ({device_bytes} bytes) holds no KV page ({layout.page_bytes} bytes)")
+        available = psutil.virtual_memory().available
+        if dram_bytes > available:
+            raise HiRadixConfigError(
+                f"{flag} x the device pool ({device_bytes / 1e9:.2f} GB) needs {dram_bytes / 1e9:.2f} GB of RAM "
+                f"but only {available / 1e9:.2f} GB is available"
+            )
+        logger.info("hiradix: DRAM tier %s x the device pool (%d bytes) = %d bytes", flag, device_bytes, dram_bytes)
+    return dram_bytes
+
+
 def build_tiers(
     tree: TieredRadixTree,
     config: Any,
@@ -90,7 +122,8 @@ def build_tiers(
 
     Args:
         tree: the tree whose nodes move.
-        config: hiradix settings (``dram_bytes``, ``nvme_path``, ``nvme_bytes``, ``write_policy``).
+        config: hiradix settings (``dram_bytes``/``dram_ratio``, ``dram_mode``, ``nvme_path``,
+            ``nvme_bytes``, ``write_policy``).
         kv_pool: SGLang's device ``MHATokenToKVPool`` of this rank.
         page_size: tokens per page.
         tp_rank: this rank (names the private directories).
@@ -107,10 +140,10 @@ def build_tiers(
         hiradix.io.client.WorkerStartError: the I/O worker did not start.
     """
     layout = KVLayout.from_device_pool(kv_pool, page_size)
+    dram_pages = num_pages_for_bytes(dram_bytes_of(config, layout, kv_pool.size // page_size), layout)
     shm_dir = Path(f"{default_shm_dir()}-rank{tp_rank}")
     remove_stale_dirs(shm_dir)
     ensure_private_dir(shm_dir)  # 0700: it holds the worker's socket directory
-    dram_pages = num_pages_for_bytes(config.dram_bytes, layout)
     dram = DramPool.create_anonymous(layout, dram_pages)
     client, nvme_slots, lock_fd, index, pages = None, 0, -1, None, []
     if config.nvme_bytes > 0:
@@ -126,7 +159,8 @@ def build_tiers(
     multi_rank = tp_group is not None and torch.distributed.get_world_size(tp_group) > 1
     journal = IndexJournal(index, tree) if index is not None else None
     tiers = TierController(tree, books, mover, client, layout.page_bytes, config.write_policy == "write_through",
-                           sync=RankSync(tp_group) if multi_rank else None, journal=journal)
+                           sync=RankSync(tp_group) if multi_rank else None, journal=journal,
+                           dram_staging=config.dram_mode == "staging")
     tiers.on_close(dram.close)
     tiers.on_close(lambda: shutil.rmtree(shm_dir, ignore_errors=True))
     if index is not None:

@@ -1,6 +1,6 @@
 """SGLang's prefix-cache contract over the core's tiered prefix cache: a translation, no logic.
 
-:class:`HiRadixCache` implements ``BasePrefixCache`` of SGLang 0.5.23
+:class:`TieredRadixCache` implements ``BasePrefixCache`` of SGLang 0.5.23
 (``sglang/srt/mem_cache/base_prefix_cache.py``; the legacy ``radix_cache.py`` shows the
 contract) by translating SGLang's objects (``RadixKey``, ``Req``, ``MatchResult``, lock
 receipts, the device allocator) into calls on :class:`hiradix.core.prefix_cache.TieredPrefixCache`,
@@ -87,7 +87,7 @@ class SGLangDevicePool:
         return torch.cat(list(parts)) if parts else self._empty
 
 
-class HiRadixCache(BasePrefixCache):
+class TieredRadixCache(BasePrefixCache):
     """Prefix cache whose radix-tree nodes record their tier (HBM, DRAM, NVMe).
 
     Args:
@@ -132,11 +132,24 @@ class HiRadixCache(BasePrefixCache):
         if params.enable_metrics:
             self.init_metrics_collector()
             if self.tiers is not None:
-                from hiradix.runtime.metrics import TierMetrics
-
-                self.tier_metrics = TierMetrics({"tp_rank": str(tp_rank)})
-        logger.info("hiradix: HiRadixCache in use (page_size=%d tokens, policy=%s, write_policy=%s)",
+                self.tier_metrics = self._tier_metrics()
+        logger.info("hiradix: TieredRadixCache in use (page_size=%d tokens, policy=%s, write_policy=%s)",
                     self.page_size, config.policy, config.write_policy)
+
+    def _tier_metrics(self) -> Any:
+        """hiradix's series (``hiradix.runtime.metrics``) with SGLang's radix-cache labels."""
+        from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+        from sglang.srt.observability.metrics_collector import radix_cache_metric_labels
+        from sglang.srt.runtime_context import get_observability, get_parallel
+
+        from hiradix.runtime.metrics import TierMetrics
+
+        labels = radix_cache_metric_labels(type(self).__name__, get_parallel(), is_dp_attention_enabled())
+        labels.update(get_observability().extra_metric_labels or {})
+        books = self.tiers.books
+        pages = (self.token_to_kv_pool_allocator.size // self.page_size, books.dram.capacity,
+                 books.nvme.capacity if books.nvme is not None else 0)
+        return TierMetrics(labels, self.page_size, self.tiers.page_bytes, pages)
 
     @property
     def last_view(self) -> Optional[QueueView]:
@@ -197,9 +210,11 @@ class HiRadixCache(BasePrefixCache):
             since the match or device memory cannot be found (the request recomputes).
         """
         req = params.req
-        loaded, waited, node = self.core.load_back(req.last_node, params.best_match_node, params.host_hit_length)
+        loaded, from_nvme, node = self.core.load_back(req.last_node, params.best_match_node, params.host_hit_length)
         if loaded:
-            req.storage_hit_length = waited
+            # SGLang splits the host hit into host + storage by these (split_cached_prefix_by_tier):
+            # storage = tokens whose DRAM copy was read up from NVMe for this request.
+            req.storage_hit_length = from_nvme
             req.storage_hit_start = None
         return loaded, node
 
@@ -301,7 +316,7 @@ class HiRadixCache(BasePrefixCache):
         self.core.check_integrity()
 
 
-def create_hiradix_cache(ctx: TreeCacheBuildContext) -> HiRadixCache:
+def create_hiradix_cache(ctx: TreeCacheBuildContext) -> TieredRadixCache:
     """Factory registered with SGLang's radix-cache backend registry under ``hiradix``.
 
     Raises:
@@ -320,7 +335,7 @@ def create_hiradix_cache(ctx: TreeCacheBuildContext) -> HiRadixCache:
         args = ctx.server_args
         identity = {"model_id": model_identity(args.model_path, getattr(args, "revision", None)),
                     "model_dtype": str(ctx.model_config.dtype), "tp_size": ctx.tp_size}
-    cache = HiRadixCache(ctx.params, config, kv_pool=kv_pool, tp_rank=ctx.tp_rank, identity=identity,
+    cache = TieredRadixCache(ctx.params, config, kv_pool=kv_pool, tp_rank=ctx.tp_rank, identity=identity,
                          counter_factory=LayerDoneCounter)
     if cache.loader is not None:
         kv_pool.register_layer_transfer_counter(cache.loader)

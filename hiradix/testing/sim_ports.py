@@ -245,6 +245,8 @@ def simulated_controller(
     clock: SimClock,
     read_s_per_page: float = 0.0,
     write_s_per_page: float = 0.0,
+    write_selective: bool = False,
+    dram_staging: bool = False,
 ) -> TierController:
     """A real :class:`TierController` over data-less ports, sized like ``runtime.assembly.build_tiers``.
 
@@ -257,10 +259,13 @@ def simulated_controller(
         clock: the shared virtual clock.
         read_s_per_page: simulated NVMe read time per page, in seconds.
         write_s_per_page: simulated NVMe write time per page, in seconds.
+        write_selective: back up only nodes hit again (``TierController(write_selective=)``).
+        dram_staging: DRAM only carries pages in flight (``--hiradix-dram-mode staging``).
     """
     books = TierBooks(tree, dram_pages, nvme_slots)
     client = SimIOClient(clock, read_s_per_page, write_s_per_page) if nvme_slots > 0 else None
-    return TierController(tree, books, SimHostMover(), client, page_bytes, write_through, clock=clock)
+    return TierController(tree, books, SimHostMover(), client, page_bytes, write_through, clock=clock,
+                          write_selective=write_selective, dram_staging=dram_staging)
 
 
 def next_event_s(tiers: Optional[TierController]) -> Optional[float]:

@@ -120,11 +120,11 @@ def test_end_checks_report_failed_requests_missing_checks_and_open_dirs():
 
 def test_gauges_and_summary_line_parse():
     metrics = (
-        '# TYPE hiradix_tier_tokens gauge\n'
-        'hiradix_tier_tokens{tier="HBM",tp_rank="0"} 0.0\n'
-        'hiradix_tier_tokens{tier="DRAM",tp_rank="0"} 32.0\n'
-        'hiradix_tier_tokens{tier="NVMe",tp_rank="0"} 0.0\n'
-        'hiradix_tier_tokens_other{tier="HBM"} 7.0\n'
+        '# TYPE sglang:hiradix_tier_used_tokens gauge\n'
+        'sglang:hiradix_tier_used_tokens{tier="HBM",tp_rank="0"} 0.0\n'
+        'sglang:hiradix_tier_used_tokens{tier="DRAM",tp_rank="0"} 32.0\n'
+        'sglang:hiradix_tier_used_tokens{tier="NVMe",tp_rank="0"} 0.0\n'
+        'sglang:hiradix_tier_used_tokens_other{tier="HBM"} 7.0\n'
     )
     assert parse_tier_tokens(metrics) == {"HBM": 0.0, "DRAM": 32.0, "NVMe": 0.0}
     line = ("hiradix: tokens per tier HBM/DRAM/NVMe=[0, 16, 0] DRAM pages=1/183 NVMe slots=0/542 "

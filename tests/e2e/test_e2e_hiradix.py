@@ -43,7 +43,7 @@ def test_foundation_sessions_match_stock(tiny_model: Path, tmp_path: Path, stock
     with start(tiny_model, tmp_path / "hiradix.log", 8192, ["--enable-hiradix", "--hiradix-dram-gb", "0.05"]) as srv:
         got = run_sessions(srv.base_url, 5, TURNS, WORDS)
         log = srv.log_text()
-    assert "hiradix: HiRadixCache in use" in log
+    assert "hiradix: TieredRadixCache in use" in log
     assert_same_outputs(got, stock_outputs[:5])
     for s in range(5):
         for t in range(1, TURNS):
@@ -58,7 +58,7 @@ def tiered_runs(tiny_model: Path, tmp_path_factory) -> dict[str, list[list[dict]
         tmp = tmp_path_factory.mktemp(policy)
         with start(tiny_model, tmp / "server.log", 2048, tiered_flags(tmp / "nvme", policy)) as srv:
             runs[policy] = run_sessions(srv.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS)
-            runs[policy + "_prefetch_started"] = metric(srv.base_url, "hiradix_prefetch_tokens_total", outcome="started")
+            runs[policy + "_prefetch_started"] = metric(srv.base_url, "sglang:hiradix_prefetch_tokens_total", outcome="started")
     return runs
 
 

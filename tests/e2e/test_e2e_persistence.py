@@ -52,7 +52,7 @@ def settle(base_url: str, timeout_s: float = 120.0) -> None:
     while quiet < 2:
         assert time.monotonic() < deadline, "transfers still in flight"
         chat(base_url, [{"role": "user", "content": "ping"}], max_tokens=1)
-        quiet = quiet + 1 if metric(base_url, "hiradix_transfers_in_flight") == 0 else 0
+        quiet = quiet + 1 if metric(base_url, "sglang:hiradix_transfers_in_flight") == 0 else 0
 
 
 def test_nvme_tier_survives_restart_and_other_fingerprint_is_not_reused(tiny_model: Path, tmp_path: Path):
@@ -62,14 +62,14 @@ def test_nvme_tier_survives_restart_and_other_fingerprint_is_not_reused(tiny_mod
         prompts = last_turn_prompts(run_sessions(s1.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS))
         before = [chat(s1.base_url, p) for p in prompts]
         settle(s1.base_url)
-        nvme_tokens = metric(s1.base_url, "hiradix_tier_tokens", tier="NVMe")
+        nvme_tokens = metric(s1.base_url, "sglang:hiradix_tier_used_tokens", tier="NVMe")
     assert nvme_tokens > 0
     index = nvme_dir / "hiradix-rank0" / "index.log"
     assert stat.S_IMODE(index.stat().st_mode) == 0o600
 
     with start(tiny_model, tmp_path / "s2.log", 2048, flags(nvme_dir)) as s2:
         after = [chat(s2.base_url, p) for p in prompts]
-        restored = metric(s2.base_url, "hiradix_nvme_restored_pages")
+        restored = metric(s2.base_url, "sglang:hiradix_nvme_restored_pages")
         log = s2.log_text()
     logged = re.search(r"same fingerprint; re-indexed (\d+) pages", log)
     assert logged and int(logged.group(1)) == restored > 0, log[-3000:]
@@ -82,7 +82,7 @@ def test_nvme_tier_survives_restart_and_other_fingerprint_is_not_reused(tiny_mod
 
     with start(tiny_model, tmp_path / "s3.log", 2048, flags(nvme_dir, page_size=32)) as s3:
         first = chat(s3.base_url, prompts[0])
-        restored = metric(s3.base_url, "hiradix_nvme_restored_pages")
+        restored = metric(s3.base_url, "sglang:hiradix_nvme_restored_pages")
         log = s3.log_text()
     assert restored == 0
     assert len(re.findall(r"was written for another setup \(.*page_size: 16 -> 32", log)) == 1, log[-3000:]
