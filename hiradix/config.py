@@ -117,23 +117,27 @@ def _ratio(flag: str, ratio: Any) -> float:
 
 
 FLAGS: tuple[FlagSpec, ...] = (
-    FlagSpec("dram_gb", "dram_bytes", float, 4.0, "DRAM tier size, in GB.", "GB", convert=_gb_to_bytes),
+    FlagSpec("dram_gb", "dram_bytes", float, 4.0, "DRAM tier per scheduler process (TP rank), in GB (1e9 bytes).",
+             "GB", convert=_gb_to_bytes),
     FlagSpec("dram_ratio", "dram_ratio", float, None,
-             "DRAM tier size as a multiple of the device KV pool's bytes (like --hicache-ratio); "
+             "DRAM tier as a multiple of the device KV pool's bytes (like --hicache-ratio); "
              "instead of --hiradix-dram-gb.", "RATIO", convert=_ratio),
     FlagSpec("dram_mode", "dram_mode", str, "cache",
-             "cache: DRAM keeps copies for DRAM hits; staging: DRAM pages only carry pages in flight "
-             "between HBM and NVMe (needs an NVMe tier; like --hicache-host-memory-mode buffer_only).",
+             "cache: DRAM keeps copies (DRAM hits); staging: DRAM only carries pages in flight between "
+             "HBM and NVMe (needs an NVMe tier; like --hicache-host-memory-mode buffer_only).",
              choices=lambda: list(DRAM_MODES)),
     FlagSpec("nvme_path", "nvme_path", str, None,
              "Directory for the NVMe tier's files (must exist; a private hiradix-rank<r>/ is made inside).",
              "DIR", convert=_resolve_path),
-    FlagSpec("nvme_gb", "nvme_bytes", float, 0.0, "NVMe tier size, in GB; 0 = no NVMe tier.", "GB",
+    FlagSpec("nvme_gb", "nvme_bytes", float, 0.0, "NVMe tier per TP rank, in GB; 0 = no NVMe tier.", "GB",
              convert=_gb_to_bytes),
-    FlagSpec("policy", "policy", str, "lookahead", "Eviction/promotion policy.", choices=policy_names),
+    FlagSpec("policy", "policy", str, "lookahead",
+             "Eviction/promotion policy: lookahead (queue-aware, CachedAttention §3.3) or lru (as stock).",
+             choices=policy_names),
     FlagSpec("lookahead_window", "lookahead_window", int, 64,
              "Waiting requests a queue-aware policy (lookahead) inspects per step.", "REQUESTS"),
-    FlagSpec("write_policy", "write_policy", str, "write_through", "When KV is copied down a tier.",
+    FlagSpec("write_policy", "write_policy", str, "write_through",
+             "When KV is copied from HBM to DRAM: write_through (at insert, async) or write_back (at eviction).",
              choices=lambda: list(WRITE_POLICIES)),
     FlagSpec("load_timeout_s", "load_timeout_s", float, 2.0,
              "How long a request may wait at admission for its NVMe pages; then it runs with the "

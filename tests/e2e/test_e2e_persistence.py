@@ -5,7 +5,8 @@ x 3 turns, then a 4th turn of every session; small requests drive the scheduler 
 transfer is in flight; it is stopped. Server 2, same flags and NVMe path, must re-index the
 durable index (log line and metric), serve the 4th-turn prompts again with hits that can only
 come from the restored NVMe pages (HBM and DRAM start empty), first page included, and give
-token-identical greedy outputs. Server 3 changes ``--page-size`` (another fingerprint): the
+token-identical greedy outputs; then ``/flush_cache`` empties every tier (gauges at 0, the prompt
+misses) and frees every slot in the durable index (the file on disk has no live page). Server 3 changes ``--page-size`` (another fingerprint): the
 slots are not reused, with one log line naming what changed, and nothing hits.
 """
 
@@ -14,9 +15,12 @@ from __future__ import annotations
 import re
 import stat
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+
+from hiradix.persistence.index import Put, _read_records, _replay
 
 from tests.helpers.e2e import chat, metric, run_sessions, start, user_turn
 
@@ -55,6 +59,17 @@ def settle(base_url: str, timeout_s: float = 120.0) -> None:
         quiet = quiet + 1 if metric(base_url, "sglang:hiradix_transfers_in_flight") == 0 else 0
 
 
+def flush_and_repeat(base_url: str, prompt: list[dict]) -> dict:
+    """POST /flush_cache; wait (no requests) until every tier gauge reads 0; send ``prompt`` again."""
+    with urllib.request.urlopen(urllib.request.Request(base_url + "/flush_cache", method="POST"), timeout=60) as resp:
+        assert resp.status == 200
+    deadline = time.monotonic() + 60
+    while any(metric(base_url, "sglang:hiradix_tier_used_tokens", tier=t) for t in ("HBM", "DRAM", "NVMe")):
+        assert time.monotonic() < deadline, "tiers not empty after /flush_cache"
+        time.sleep(0.5)  # the idle scheduler steps about once a second
+    return chat(base_url, prompt)
+
+
 def test_nvme_tier_survives_restart_and_other_fingerprint_is_not_reused(tiny_model: Path, tmp_path: Path):
     nvme_dir = tmp_path / "nvme"
     nvme_dir.mkdir()
@@ -71,6 +86,13 @@ def test_nvme_tier_survives_restart_and_other_fingerprint_is_not_reused(tiny_mod
         after = [chat(s2.base_url, p) for p in prompts]
         restored = metric(s2.base_url, "sglang:hiradix_nvme_restored_pages")
         log = s2.log_text()
+        flushed = flush_and_repeat(s2.base_url, prompts[0])
+    assert flushed["cached"] == 0 and flushed["text"] == before[0]["text"], flushed
+    # /flush_cache freed every NVMe slot in the durable index: a restart re-indexes nothing.
+    # The slot file keeps its pre-allocated size.
+    records, _ = _read_records(index.read_bytes(), index)
+    assert any(isinstance(r, Put) for r in records) and _replay(records, 1 << 30, 16) == {}
+    assert (nvme_dir / "hiradix-rank0" / "nvme.kv").stat().st_size > 0
     logged = re.search(r"same fingerprint; re-indexed (\d+) pages", log)
     assert logged and int(logged.group(1)) == restored > 0, log[-3000:]
     # Nothing but the restored pages can serve the first request after a restart.
