@@ -200,3 +200,27 @@ def test_integrity_check_catches_a_leaked_hbm_slot(tmp_path):
     assert engine.cache.device.alloc(engine.tree.page_size) is not None  # one page nobody owns
     with pytest.raises(IntegrityError, match="HBM"):
         engine.check()
+
+
+def test_dram_staging_serves_from_nvme_what_cache_mode_serves_from_dram(tmp_path):
+    """Issue 14, --hiradix-dram-mode staging: DRAM only carries pages in flight, so a history the
+    small HBM pushed down comes back from NVMe (never from a DRAM copy); nothing is lost."""
+    trace = load_trace(chat_trace(tmp_path))
+    small = dict(hbm_tokens=6 * BLOCK_TOKENS, dram_tokens=16 * BLOCK_TOKENS)  # DRAM holds some histories
+    cache = run_scenario(trace, ample(**small), "nvme", "lru")
+    staging = run_scenario(trace, ample(dram_staging=True, **small), "nvme", "lru")
+    assert cache["hit_tokens"]["dram"] == 14 * BLOCK_TOKENS
+    assert staging["hit_tokens"]["dram"] == 0 and staging["hit_tokens"]["nvme"] > cache["hit_tokens"]["nvme"]
+    assert sum(staging["hit_tokens"].values()) == sum(cache["hit_tokens"].values())  # NVMe holds everything
+    assert staging["bytes_moved"]["PREFETCH"] > cache["bytes_moved"]["PREFETCH"]
+
+
+def test_selective_write_through_backs_up_only_what_is_hit_again(tmp_path):
+    """HiCache's write_through_selective, for measurement: a turn's history is backed up only
+    once hit again; with a small HBM most are evicted first and lost (bench/RESULTS.md)."""
+    trace = load_trace(chat_trace(tmp_path))
+    small = dict(hbm_tokens=6 * BLOCK_TOKENS, dram_tokens=4 * BLOCK_TOKENS)
+    full = run_scenario(trace, ample(**small), "nvme", "lru")
+    selective = run_scenario(trace, ample(write_selective=True, **small), "nvme", "lru")
+    assert 0 < selective["bytes_moved"]["BACKUP"] < full["bytes_moved"]["BACKUP"]
+    assert sum(selective["hit_tokens"].values()) < sum(full["hit_tokens"].values())
