@@ -382,7 +382,9 @@ class Engine:
         if need > self.device.available_size() + tree.hbm_evictable_tokens:
             tree.dec_lock(m.hbm_node)
             return False
-        loaded, storage, last = cache.load_back(m.hbm_node, m.dram_node, m.dram_len)
+        back = cache.load_back(m.hbm_node, m.dram_node, m.dram_len)
+        loaded, last = back.loaded, back.node
+        storage = sum(back.read_from.values())  # read up from NVMe (or the store) for this use
         if last is not m.hbm_node:
             tree.inc_lock(last)
             tree.dec_lock(m.hbm_node)

@@ -38,6 +38,7 @@ ENV_VAR = "HIRADIX_CONFIG"
 BYTES_PER_GB = 10**9
 WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")
 DRAM_MODES: tuple[str, ...] = ("cache", "staging")
+STORE_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")  # see hiradix.core.store_tier
 
 
 class HiRadixConfigError(ValueError):
@@ -100,6 +101,29 @@ def _gb_to_bytes(flag: str, gb: float) -> int:
     return round(gb * BYTES_PER_GB)
 
 
+def _store_config_text(flag: str, value: Any) -> str:
+    """``--hiradix-store-config``: JSON text, or the path of a JSON file; kept as canonical JSON.
+
+    Raises:
+        HiRadixConfigError: unreadable, not JSON, or a key the store config does not have or
+            with a bad value (``hiradix.tiers.store.StoreConfig``), naming the flag and the key.
+    """
+    if value is None:
+        return ""
+    from hiradix.tiers.store import StoreConfig, StoreConfigError
+
+    try:
+        return StoreConfig.parse(str(value), flag).to_json()
+    except StoreConfigError as e:
+        raise HiRadixConfigError(str(e)) from None
+
+
+def _store_backends() -> list[str]:
+    from hiradix.tiers.store import backend_names
+
+    return backend_names()
+
+
 def _resolve_path(flag: str, path: Any) -> Optional[Path]:
     if path is None:
         return None
@@ -140,9 +164,17 @@ FLAGS: tuple[FlagSpec, ...] = (
              "When KV is copied from HBM to DRAM: write_through (at insert, async) or write_back (at eviction).",
              choices=lambda: list(WRITE_POLICIES)),
     FlagSpec("load_timeout_s", "load_timeout_s", float, 2.0,
-             "How long a request may wait at admission for its NVMe pages; then it runs with the "
-             "pages that are ready and recomputes the rest.", "SECONDS",
+             "How long a request may wait at admission for its NVMe or store pages; then it runs with "
+             "the pages that are ready and recomputes the rest.", "SECONDS",
              convert=lambda flag, v: float(v)),
+    FlagSpec("store", "store_backend", str, None,
+             "Cluster store shared by the servers (the tier below NVMe); none by default.", choices=_store_backends),
+    FlagSpec("store_config", "store_config", str, None,
+             "The store's settings: a JSON object or the path of a JSON file (master address, protocol, "
+             "metadata server, local hostname, sizes, timeouts).", "JSON|FILE", convert=_store_config_text),
+    FlagSpec("store_write_policy", "store_write_policy", str, "write_through",
+             "When KV is put into the store: write_through (once in DRAM) or write_back (once it left HBM).",
+             choices=lambda: list(STORE_WRITE_POLICIES)),
 )  # fmt: skip
 FLAG_BY_NAME: dict[str, FlagSpec] = {f.name: f for f in FLAGS}
 FLAG_OF_FIELD: dict[str, str] = {f.field: f.flag for f in FLAGS}  # for error messages
@@ -176,8 +208,14 @@ class HiRadixConfig:
         write_policy: When KV is copied down a tier: "write_through" (on insert) or
             "write_back" (on eviction). Flag `--hiradix-write-policy`.
         load_timeout_s: How long a request may wait at admission for its pages to be read
-            from NVMe, in seconds (> 0); then it runs with what is ready and recomputes the
-            rest. Flag `--hiradix-load-timeout-s`.
+            from NVMe or the cluster store, in seconds (> 0); then it runs with what is ready
+            and recomputes the rest. Flag `--hiradix-load-timeout-s`.
+        store_backend: Cluster-store backend name (`mooncake`), or None: no cluster tier.
+            Flag `--hiradix-store`.
+        store_config: The store's settings as canonical JSON text ("" without a store).
+            Flag `--hiradix-store-config`.
+        store_write_policy: When KV is put into the store (`hiradix.core.store_tier`).
+            Flag `--hiradix-store-write-policy`.
     """
 
     dram_bytes: int = _default("dram_gb")
@@ -189,6 +227,9 @@ class HiRadixConfig:
     lookahead_window: int = _default("lookahead_window")
     write_policy: str = _default("write_policy")
     load_timeout_s: float = _default("load_timeout_s")
+    store_backend: Optional[str] = None
+    store_config: str = ""
+    store_write_policy: str = _default("store_write_policy")
 
     def __post_init__(self) -> None:
         self._validate()
@@ -213,6 +254,7 @@ class HiRadixConfig:
             raise HiRadixConfigError(
                 f"{flag['write_policy']} must be one of {list(WRITE_POLICIES)}, got {self.write_policy!r}"
             )
+        self._validate_store()
         timeout = self.load_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
             raise HiRadixConfigError(
@@ -258,6 +300,26 @@ class HiRadixConfig:
                 )
         if self.nvme_bytes > 0 and self.nvme_path is None:
             raise HiRadixConfigError(f"{flag['nvme_bytes']} {_gb(self.nvme_bytes)} needs {flag['nvme_path']}")
+
+    def _validate_store(self) -> None:
+        flag = FLAG_OF_FIELD
+        if self.store_backend is None:
+            if self.store_config:
+                raise HiRadixConfigError(f"{flag['store_config']} is given but {flag['store_backend']} is not")
+            return
+        if self.store_backend not in _store_backends():
+            raise HiRadixConfigError(
+                f"{flag['store_backend']} must be one of {_store_backends()}, got {self.store_backend!r}")
+        if not self.store_config:
+            raise HiRadixConfigError(f"{flag['store_backend']} {self.store_backend} needs {flag['store_config']}")
+        if self.store_write_policy not in STORE_WRITE_POLICIES:
+            raise HiRadixConfigError(f"{flag['store_write_policy']} must be one of {list(STORE_WRITE_POLICIES)}, "
+                                     f"got {self.store_write_policy!r}")
+
+    @property
+    def has_store_tier(self) -> bool:
+        """Whether a cluster store is configured (`--hiradix-store`)."""
+        return self.store_backend is not None
 
     @property
     def has_nvme_tier(self) -> bool:
@@ -328,9 +390,10 @@ class HiRadixConfig:
         nvme = f"{self.nvme_path} ({self.nvme_bytes} bytes)" if self.has_nvme_tier else "off"
         dram = f"dram_ratio={self.dram_ratio:g}" if self.dram_ratio else f"dram_bytes={self.dram_bytes}"
         window = f", lookahead_window={self.lookahead_window}" if make_policy(self.policy).uses_queue else ""
+        store = f"{self.store_backend} ({self.store_write_policy})" if self.has_store_tier else "off"
         return (
             f"policy={self.policy}{window}, write_policy={self.write_policy}, "
-            f"{dram}, dram_mode={self.dram_mode}, nvme={nvme}, "
+            f"{dram}, dram_mode={self.dram_mode}, nvme={nvme}, store={store}, "
             f"load_timeout_s={self.load_timeout_s:g}"
         )
 

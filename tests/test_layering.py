@@ -23,10 +23,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-# What the pure core may import from the standard library: data structures, typing, time, logging.
+# What the pure core may import from the standard library: data structures, typing, time, logging,
+# and pure computation (hashing and byte encoding of page contents for their content addresses).
 CORE_STDLIB = frozenset({
-    "__future__", "abc", "array", "bisect", "collections", "dataclasses", "enum", "functools", "heapq",
-    "itertools", "logging", "math", "operator", "time", "typing",
+    "__future__", "abc", "array", "bisect", "collections", "dataclasses", "enum", "functools", "hashlib",
+    "heapq", "itertools", "json", "logging", "math", "operator", "struct", "time", "typing",
 })  # fmt: skip
 SGLANG_PACKAGE = "hiradix.sglang_plugin"
 

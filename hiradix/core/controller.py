@@ -29,10 +29,11 @@ import time
 from typing import Any, Callable, Optional
 
 from hiradix.core.ledger import Kind, TierBooks, Transfer
-from hiradix.core.node import Tier, TreeNode
+from hiradix.core.node import Tier, TreeMatch, TreeNode
 from hiradix.core.placement import DRAM_FREE_LOW, Placement
 from hiradix.core.ports import ABORTED, FAILED, OK, HostMover, IOClient, NvmeJournal, RankAgreement, SingleRank
 from hiradix.core.stats import TierStats
+from hiradix.core.store_tier import STORE_RETRY_S, StoreTier
 from hiradix.core.tree import TieredRadixTree
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,18 @@ def outcome_of(result: Any) -> int:
     return ABORTED if result.error else FAILED
 
 
+def found_of(result: Any) -> int:
+    """A store lookup's result as an agreement value: 1 + the leading run of keys found (MIN
+    over ranks is the run every rank holds); 1 when the job failed as a whole."""
+    found = 0
+    if not result.error:
+        for ok in result.ok:
+            if not ok:
+                break
+            found += 1
+    return 1 + found
+
+
 class TierController:
     """Runs the DRAM and NVMe tiers of one tree (one TP rank).
 
@@ -73,6 +86,9 @@ class TierController:
         sync: TP agreement on completions (default: a single rank).
         journal: the durable NVMe index, or None (nothing persisted).
         dram_free_low_pages: see :class:`Placement`; default ``DRAM_FREE_LOW`` of DRAM.
+        store_key_prefix: the cluster store's key prefix (the KV fingerprint); None: no store.
+        store_write_policy: see :mod:`hiradix.core.store_tier`.
+        store_retry_s: first wait before a switched-off store is tried again.
         dram_staging: DRAM holds pages only in flight between HBM and NVMe (``--hiradix-dram-mode
             staging``): a DRAM copy goes as soon as its store to NVMe or its promotion to HBM lands.
         write_selective: SGLang HiCache's ``write_through_selective``, for measurements (the
@@ -93,6 +109,9 @@ class TierController:
         sync: Optional[RankAgreement] = None,
         journal: Optional[NvmeJournal] = None,
         dram_free_low_pages: Optional[int] = None,
+        store_key_prefix: Optional[str] = None,
+        store_write_policy: str = "write_through",
+        store_retry_s: float = STORE_RETRY_S,
         dram_staging: bool = False,
         write_selective: bool = False,
     ):
@@ -120,6 +139,11 @@ class TierController:
         self.nvme_off_reason: Optional[str] = None  # set once, by switch_off_nvme
         self._last_summary_s = 0.0
         self._on_close: list[Callable[[], None]] = []  # resources of the assembly, released by close()
+        self.store: Optional[StoreTier] = None
+        if store_key_prefix is not None:
+            assert client is not None, "the store's jobs run in the I/O worker"
+            self.store = StoreTier(tree, books, self.placement, client, store_key_prefix, store_write_policy, clock,
+                                   retry_s=store_retry_s)
 
     def on_close(self, release: Callable[[], None]) -> None:
         """Call ``release`` when the controller closes (resources the assembly made)."""
@@ -151,9 +175,12 @@ class TierController:
             Freed device slot arrays for SGLang's allocator.
         """
         self._reap(self.mover.flush())  # pending copies pin HBM slots; land them first
+        left: list[TreeNode] = []
         backup = (lambda n: n.hit_count >= SELECTIVE_MIN_HITS and self._backup_now(n)) if self.write_selective else self._backup_now
-        freed = self.placement.evict_hbm(num_tokens, backup=backup)
+        freed = self.placement.evict_hbm(num_tokens, backup=backup, left=left)
         self._store_last_copies()  # what just became DRAM-only starts down to NVMe now
+        if self.store is not None:
+            self.store.note_left_hbm(left)
         return freed
 
     def _backup_now(self, node: TreeNode) -> bool:
@@ -177,53 +204,100 @@ class TierController:
         return node.in_tier(Tier.DRAM)
 
     # ------------------------------------------------------------ load back
-    def load_back(self, nodes: list[TreeNode], hbm_slots: Any) -> int:
+    def load_back(self, nodes: list[TreeNode], hbm_slots: Any) -> tuple[dict[Tier, int], dict[Tier, int]]:
         """Promote DRAM nodes into the given new HBM slots, layer by layer.
 
         Returns:
-            Tokens whose DRAM copy was read up from NVMe for this use (reported as NVMe hits,
-            SGLang's ``storage``), whether the look-ahead read them ahead of admission or the
-            request waited for the read; the rest were DRAM residents (``host``).
+            ``(read_from, waited_from)``: tokens whose DRAM copy was read from ``Tier.NVME`` /
+            ``Tier.STORE`` for this use (whether the look-ahead window or the request started the
+            read; SGLang's ``storage``), and those of them a request waited for at admission.
         """
-        from_nvme = sum(n.num_tokens for n in nodes if n.dram_from_nvme)
-        waited = sum(n.num_tokens for n in nodes if n.waited_for_read)
-        self.stats.prefetch_tokens["used"] += from_nvme
-        self.stats.storage_hit_tokens["ahead"] += from_nvme - waited
-        self.stats.storage_hit_tokens["at_admission"] += waited
+        read_from = {Tier.NVME: 0, Tier.STORE: 0}
+        waited_from = {Tier.NVME: 0, Tier.STORE: 0}
+        for n in nodes:
+            if n.dram_from is not None:
+                read_from[n.dram_from] += n.num_tokens
+                waited_from[n.dram_from] += n.num_tokens if n.waited_for_read else 0
+        self.stats.prefetch_tokens["used"] += read_from[Tier.NVME]
+        self.stats.store_tokens["used"] += read_from[Tier.STORE]
+        self.stats.storage_hit_tokens["ahead"] += read_from[Tier.NVME] - waited_from[Tier.NVME]
+        self.stats.storage_hit_tokens["at_admission"] += waited_from[Tier.NVME]
         op = self.books.prepare(Kind.PROMOTE, nodes, hbm_slots=hbm_slots)
         self.mover.promote(op)
-        return from_nvme
+        return read_from, waited_from
 
     def start_loading(self) -> int:
         """Start the promotions queued for the batch being built; returns its consumer index."""
         return self.mover.start_loading()
 
     # ------------------------------------------------------------ prefetch
-    def prefetch(self, nodes: list[TreeNode], timeout_s: float, ahead: bool = False) -> bool:
-        """Start NVMe -> DRAM reads of NVMe-only ``nodes`` (a matched path's tail).
+    def prefetch(self, nodes: list[TreeNode], timeout_s: float, ahead: bool = False, src: Tier = Tier.NVME,
+                 deadline_s: Optional[float] = None) -> bool:
+        """Start reads into DRAM of ``nodes`` (a matched path's tail held only on NVMe, or only in
+        the cluster store with ``src=Tier.STORE``).
 
         Args:
-            nodes: the NVMe-only tail of one request's matched path.
+            nodes: the tail of one request's matched path in ``src``.
             timeout_s: how long the request may wait for them at admission.
-            ahead: started by the look-ahead window (the pages then count as DRAM hits).
+            ahead: started by the look-ahead window: the wait starts only at admission.
+            src: NVME (PREFETCH jobs) or STORE (GET jobs).
+            deadline_s: give-up time inherited from a store lookup (instead of now + timeout).
 
         Returns:
             True if a read is in flight for these nodes (started now or earlier).
         """
-        if self.client is None or not self.books.nvme_enabled:
+        if self.client is None or not (self.books.nvme_enabled if src == Tier.NVME else self.store_enabled):
             return False
-        todo = [n for n in nodes if n.alive and not n.in_tier(Tier.DRAM) and n.pinned[Tier.NVME] == 0]
-        busy = any(n.pinned[Tier.NVME] > 0 for n in nodes)
+        todo = [n for n in nodes if n.alive and not n.in_tier(Tier.DRAM) and n.in_tier(src) and n.pinned[src] == 0]
+        busy = any(n.pinned[src] > 0 for n in nodes)
         if not todo:
             return busy
-        op = self.placement.prepare(Kind.PREFETCH, todo, ahead=ahead)
+        kind = Kind.PREFETCH if src == Tier.NVME else Kind.GET
+        op = self.placement.prepare(kind, todo, ahead=ahead)
         if op is None:
             return busy
-        self.client.submit_load(op.op_id, op.src_ids, op.dst_ids)
-        self.stats.prefetch_tokens["started"] += len(op.src_ids) * self.tree.page_size
+        if kind == Kind.PREFETCH:
+            self.client.submit_load(op.op_id, op.src_ids, op.dst_ids)
+            self.stats.prefetch_tokens["started"] += len(op.src_ids) * self.tree.page_size
+        else:
+            self.client.submit_get(op.op_id, op.src_ids, op.dst_ids)
         # A look-ahead read may start deep in the queue: its request's wait (the timeout)
         # starts only when the request reaches admission (prefetch_pending).
-        self._prefetch_deadline_s[op.op_id] = None if ahead else self.clock() + timeout_s
+        self._prefetch_deadline_s[op.op_id] = deadline_s if deadline_s is not None or ahead else self.clock() + timeout_s
+        return True
+
+    @property
+    def store_enabled(self) -> bool:
+        return self.store is not None and self.store.enabled
+
+    def lookup(self, m: TreeMatch, tokens: Any, namespace: Optional[tuple], timeout_s: float, ahead: bool = False) -> bool:
+        """Ask the cluster store for the pages after a local match; True while that lookup runs.
+
+        A lookup at admission (``ahead`` False) makes the request wait, up to ``timeout_s``
+        (:meth:`lookup_pending`); what it finds is then read into DRAM within the same deadline.
+        """
+        if not self.store_enabled:
+            return False
+        lookup = self.store.lookup(m, tokens, namespace)
+        if lookup is None:
+            return False
+        if lookup.op_id not in self._prefetch_deadline_s:
+            self._prefetch_deadline_s[lookup.op_id] = None if ahead else self.clock() + timeout_s
+        return True
+
+    def lookup_pending(self, m: TreeMatch, tokens: Any, namespace: Optional[tuple], timeout_s: float) -> bool:
+        """Whether a store lookup for the pages after ``m`` (a peek) is in flight and within its timeout."""
+        if self.store is None:
+            return False
+        lookup = self.store.pending(self.store.tail_hash(m, tokens, namespace))
+        return lookup is not None and self._waiting_on(lookup.op_id, timeout_s)
+
+    def _waiting_on(self, op_id: int, timeout_s: float) -> bool:
+        """An admission waits on ``op_id``: start its deadline if not yet started; False once expired."""
+        if op_id not in self._prefetch_deadline_s or op_id in self._expired:
+            return False
+        if self._prefetch_deadline_s[op_id] is None:
+            self._prefetch_deadline_s[op_id] = self.clock() + timeout_s
         return True
 
     def prefetch_pending(self, nodes: list[TreeNode], timeout_s: float) -> bool:
@@ -235,10 +309,7 @@ class TierController:
         pending = False
         for node in nodes:
             for op_id in node.ops:
-                if op_id in self._prefetch_deadline_s and op_id not in self._expired:
-                    if self._prefetch_deadline_s[op_id] is None:
-                        self._prefetch_deadline_s[op_id] = self.clock() + timeout_s
-                    pending = True
+                pending |= self._waiting_on(op_id, timeout_s)
         return pending
 
     # ------------------------------------------------------------ per step
@@ -252,22 +323,31 @@ class TierController:
         alive = True
         if self.client is not None:
             alive = self.client.check_alive()
+            lookups = self.store.lookups if self.store is not None else {}
             for result in self.client.poll():
-                self._local_done[result.job_id] = outcome_of(result)
+                self._local_done[result.job_id] = found_of(result) if result.job_id in lookups else outcome_of(result)
                 self._results[result.job_id] = result
-        pending = self.books.pending_ids()
+        lookups = self.store.lookups if self.store is not None else {}
+        pending = sorted(self.books.pending_ids() + list(lookups))
         expired_here = {op for op, t in self._prefetch_deadline_s.items() if t is not None and t <= now}
         known = set(pending)
         finished, expired = self.sync.agree(pending, {k: v for k, v in self._local_done.items() if k in known}, expired_here)
         self._expired |= expired
         for op_id in sorted(finished):
-            self._apply(op_id, finished[op_id])
+            if op_id in lookups:
+                self._apply_lookup(op_id, finished[op_id])
+            else:
+                self._apply(op_id, finished[op_id])
         if self.client is not None:
             if not alive and self.client.disabled:
                 self.switch_off_nvme("the I/O worker keeps dying")
+                if self.store is not None:
+                    self.store.switch_off("the I/O worker keeps dying")
             self._apply_nvme_switch()
             self._store_last_copies()
             self._persist_prefixes()
+            if self.store is not None:
+                self.store.step()
 
     def _apply(self, op_id: int, outcome: int) -> None:
         """Complete one agreed transfer (``outcome``: OK, ABORTED or FAILED on every rank)."""
@@ -297,7 +377,27 @@ class TierController:
         elif op.kind == Kind.PREFETCH:
             self.stats.prefetch_tokens["completed"] += ok_pages * self.tree.page_size
             self.stats.prefetch_tokens["failed"] += (pages - ok_pages) * self.tree.page_size
+        if self.store is not None:
+            if op.kind in (Kind.PUT, Kind.GET):
+                missed = [k for k, f in zip(op.src_ids, flags if isinstance(flags, list) else [flags] * pages)
+                          if not f] if op.kind == Kind.GET and outcome != ABORTED else []
+                self.store.note_job(op.kind, pages, ok_pages, outcome == ABORTED, missed_keys=missed)
+            if op.kind in (Kind.BACKUP, Kind.PREFETCH) and ok_pages:
+                self.store.note_in_dram(op.nodes)
 
+    def _apply_lookup(self, op_id: int, value: int) -> None:
+        """Apply an agreed store lookup (``value`` = 1 + pages found on every rank): attach what was
+        found and read it into DRAM within the lookup's deadline (if it has not expired)."""
+        self._local_done.pop(op_id, None)
+        result = self._results.pop(op_id, None)
+        deadline_s = self._prefetch_deadline_s.pop(op_id, None)
+        expired = op_id in self._expired
+        self._expired.discard(op_id)
+        self.store.note_job(None, 0, 0, aborted=result is not None and bool(result.error))
+        node = self.store.finish_lookup(op_id, value - 1)
+        if node is not None:
+            ahead = deadline_s is None or expired
+            self.prefetch([node], 0.0, ahead=ahead, src=Tier.STORE, deadline_s=None if ahead else deadline_s)
     def _note_nvme_outcome(self, kind: Kind, ok: bool) -> None:
         """Count I/O jobs of one direction (DEMOTE = writes, PREFETCH = reads) that failed in a
         row: I/O errors, ENOSPC, short reads, checksum mismatches (aborted jobs, e.g. of a dead
@@ -336,9 +436,11 @@ class TierController:
         b = self.books
         nvme = f"{b.nvme.num_used}/{b.nvme.capacity}" if b.nvme is not None else "off"
         inflight = {k.name: len(b.in_flight(k)) for k in Kind}
+        store = "off" if self.store is None else ("on" if self.store.enabled else f"off ({self.store.off_reason})")
         return (
-            f"tokens per tier HBM/DRAM/NVMe={self.tree.tier_tokens} DRAM pages={b.dram.num_used}/{b.dram.capacity} "
-            f"NVMe slots={nvme} in-flight={inflight} dropped tokens={b.dropped_tokens} failed={self.stats.transfers_failed}"
+            f"tokens per tier HBM/DRAM/NVMe={self.tree.tier_tokens[:3]} DRAM pages={b.dram.num_used}/{b.dram.capacity} "
+            f"NVMe slots={nvme} store={store} store tokens={self.tree.tier_tokens[Tier.STORE]} in-flight={inflight} "
+            f"dropped tokens={b.dropped_tokens[:3]} failed={self.stats.transfers_failed}"
         )
 
     def _apply_results_now(self, results: list) -> None:
@@ -413,10 +515,12 @@ class TierController:
 
     # ------------------------------------------------------------ lifecycle
     def reset(self) -> None:
-        """Forget every lower-tier copy (SGLang's ``flush_cache``)."""
+        """Forget every lower-tier copy (SGLang's ``flush_cache``); the cluster store keeps its objects."""
         self._reap(self.mover.flush())
         self.mover.drop_pending()
         self.books.reset()
+        if self.store is not None:
+            self.store.reset()
         self._prefetch_deadline_s.clear()
         self._expired.clear()
         if self.journal is not None:

@@ -20,6 +20,11 @@ Kinds, by source and destination tier:
 * ``PROMOTE``  DRAM -> HBM  (load back at admission; HBM slots are attached at prepare time)
 * ``DEMOTE``   DRAM -> NVMe (store; the DRAM copy stays, see ``Placement.after_demote``)
 * ``PREFETCH`` NVMe -> DRAM (load, before admission; the request waits for it, up to a timeout)
+* ``PUT``      DRAM -> cluster store (share; the destination ids are the pages' keys)
+* ``GET``      cluster store -> DRAM (load, before admission, like PREFETCH)
+
+A failed GET page means the store no longer holds that object (or it did not verify): the store
+copy is forgotten like a bad NVMe copy. A failed PUT attaches nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from enum import Enum
 from typing import Any, Iterable, Optional, Sequence
 
 from hiradix.core.allocator import PageAllocator
-from hiradix.core.node import IntegrityError, Tier, TreeNode
+from hiradix.core.node import NUM_TIERS, IntegrityError, Tier, TreeNode
 from hiradix.core.ports import NvmeJournal
 from hiradix.core.tree import TieredRadixTree
 
@@ -43,6 +48,8 @@ class Kind(Enum):
     PROMOTE = (Tier.DRAM, Tier.HBM)
     DEMOTE = (Tier.DRAM, Tier.NVME)
     PREFETCH = (Tier.NVME, Tier.DRAM)
+    PUT = (Tier.DRAM, Tier.STORE)
+    GET = (Tier.STORE, Tier.DRAM)
 
     @property
     def src(self) -> Tier:
@@ -55,23 +62,23 @@ class Kind(Enum):
 
 @dataclass(eq=False)
 class Transfer:
-    """One in-flight transfer. ``src_ids``/``dst_ids`` are page ids in page order
-    (for HBM: the device slot of each page's first token; ``hbm_parts`` holds all slots)."""
+    """One in-flight transfer. ``src_ids``/``dst_ids`` are page ids in page order (for HBM: the
+    device slot of each page's first token, ``hbm_parts`` holds all slots; for the store: keys)."""
 
     op_id: int
     kind: Kind
     nodes: list[TreeNode]  # nodes it covers; grows when one of them is split
-    src_ids: list[int]
-    dst_ids: list[int]
+    src_ids: list[Any]
+    dst_ids: list[Any]
     # Device slot arrays in page order, their lengths summing to pages * page_size: one per
     # node (BACKUP source) or the one allocated array (PROMOTE destination); empty otherwise.
     hbm_parts: list = field(default_factory=list)
     dst_of: dict[int, int] = field(default_factory=dict)  # src page id -> dst page id
-    ahead: bool = False  # PREFETCH started by the look-ahead window, before admission
+    ahead: bool = False  # PREFETCH/GET started by the look-ahead window, before admission
 
 
-def page_ids(node: TreeNode, tier: Tier, page_size: int) -> list[int]:
-    """Per-page ids of ``node``'s copy in ``tier`` (HBM: first slot of each page)."""
+def page_ids(node: TreeNode, tier: Tier, page_size: int) -> list[Any]:
+    """Per-page ids of ``node``'s copy in ``tier`` (HBM: first slot of each page; store: keys)."""
     ids = node.ids_in(tier)
     if tier == Tier.HBM:
         ids = ids[::page_size]
@@ -98,8 +105,9 @@ class TierBooks:
         self.ops: dict[int, Transfer] = {}
         self._op_ids = itertools.count(1)
         self._quarantine: dict[int, list[tuple[Tier, list[int]]]] = {}  # op id -> ids freed at its ack
-        self.dropped_tokens = [0, 0, 0]  # tokens that left their last tier, per tier
-        self.wasted_prefetch_tokens = 0  # prefetched into DRAM, dropped before a promotion
+        self.dropped_tokens = [0] * NUM_TIERS  # tokens that left their last tier, per tier
+        self.wasted_prefetch_tokens = 0  # prefetched into DRAM from NVMe, dropped before a promotion
+        self.wasted_store_tokens = 0  # fetched into DRAM from the store, dropped before a promotion
         # Durable NVMe index (hiradix.persistence.journal), injected at assembly:
         # ``invalidate(slots)`` before a slot is rewritten or when it is freed, and
         # ``stored(node, slots)`` once a demotion landed. None: nothing is persisted.
@@ -108,7 +116,10 @@ class TierBooks:
 
     # ------------------------------------------------------------- allocation
     def allocator(self, tier: Tier) -> Optional[PageAllocator]:
-        return self.dram if tier == Tier.DRAM else self.nvme
+        """The page allocator of DRAM or NVMe; None for HBM (SGLang's) and the store (keys)."""
+        if tier == Tier.DRAM:
+            return self.dram
+        return self.nvme if tier == Tier.NVME else None
 
     def alloc(self, tier: Tier, n: int) -> Optional[list[int]]:
         """Take ``n`` free pages of ``tier``, all or nothing; never evicts.
@@ -125,16 +136,20 @@ class TierBooks:
         return ids
 
     def drop_copy(self, node: TreeNode, tier: Tier, held: frozenset | set = frozenset()) -> int:
-        """Detach and free ``node``'s copy in ``tier`` (DRAM or NVMe); returns pages freed.
+        """Detach and free ``node``'s copy in ``tier`` (DRAM, NVMe; store: forget); returns pages freed.
 
         ``held``: ``(tier, id)`` pairs the quarantine keeps reserved (freed at their ack).
         """
         assert tier != Tier.HBM
         if node.num_tiers == 1:
             self.dropped_tokens[tier] += node.num_tokens
-        if tier == Tier.DRAM and node.dram_from_nvme:
+        if tier == Tier.DRAM and node.dram_from == Tier.NVME:
             self.wasted_prefetch_tokens += node.num_tokens  # read up from NVMe, never used
+        elif tier == Tier.DRAM and node.dram_from == Tier.STORE:
+            self.wasted_store_tokens += node.num_tokens  # fetched from the store, never used
         ids = [i for i in self.tree.detach(node, tier) if (tier, i) not in held]
+        if tier == Tier.STORE:
+            return 0  # a forgotten record: the store keeps or evicts the object on its own
         self.allocator(tier).free(ids)
         if tier == Tier.NVME and self.nvme_journal is not None:
             self.nvme_journal.invalidate(ids)
@@ -147,6 +162,7 @@ class TierBooks:
         nodes: Sequence[TreeNode],
         hbm_slots: Any = None,
         ahead: bool = False,
+        store_keys: Optional[Sequence[str]] = None,
     ) -> Optional[Transfer]:
         """Take the destination from the free pages and pin the sources of a transfer of ``nodes``.
 
@@ -155,8 +171,9 @@ class TierBooks:
             nodes: nodes holding a copy in ``kind.src`` and none in ``kind.dst``.
             hbm_slots: PROMOTE only: the new device slots (allocated by SGLang), shape
                 ``(pages * page_size,)``; the other kinds take their destination here.
-            ahead: PREFETCH started by the look-ahead window, before admission (a request
+            ahead: PREFETCH/GET started by the look-ahead window, before admission (a request
                 that uses its pages did not wait for them).
+            store_keys: PUT only: the key of each page, in page order.
 
         Returns:
             The transfer, or ``None`` when the destination has too few free pages (nothing
@@ -167,6 +184,9 @@ class TierBooks:
         if kind == Kind.PROMOTE:
             assert hbm_slots is not None and len(hbm_slots) == len(src_ids) * ps
             dst_ids = hbm_slots[::ps].tolist() if hasattr(hbm_slots, "tolist") else list(hbm_slots[::ps])
+        elif kind == Kind.PUT:
+            assert store_keys is not None and len(store_keys) == len(src_ids)
+            dst_ids = list(store_keys)
         else:
             dst_ids = self.alloc(kind.dst, len(src_ids))
             if dst_ids is None:
@@ -188,6 +208,10 @@ class TierBooks:
         self.ops[op.op_id] = op
         return op
 
+    def new_op_id(self) -> int:
+        """A fresh op id for a job the ledger does not track (a store lookup); ids stay ascending."""
+        return next(self._op_ids)
+
     def _follow_split(self, lower: TreeNode, upper: TreeNode) -> None:
         for op_id in upper.ops:
             op = self.ops.get(op_id)
@@ -200,12 +224,13 @@ class TierBooks:
 
         Unknown ids (late, duplicate, after :meth:`reset`) change nothing and return ``None``.
         A page that failed makes its node's transfer a miss: the reserved destination pages
-        are freed; for PREFETCH the source NVMe copy is dropped (it failed its checksum).
+        are freed; for PREFETCH/GET the source copy is dropped (it failed its checksum, or the
+        store no longer has it), with what hangs below it.
         ``aborted`` (the worker died or refused the job): nothing moved, the sources stay.
         """
         if op_id in self._quarantine:
             for tier, ids in self._quarantine.pop(op_id):
-                self.allocator(tier).free(ids)
+                self.allocator(tier).free(ids)  # only DRAM/NVMe ids are quarantined
                 if tier == Tier.NVME and self.nvme_journal is not None:
                     self.nvme_journal.invalidate(ids)
             return None
@@ -218,10 +243,11 @@ class TierBooks:
             self._unpin(node, op)
             if node.alive and not aborted:
                 used.update(self._finish_node(op, node, flags))
-        if op.kind != Kind.PROMOTE:
+        pool = self.allocator(op.kind.dst)
+        if pool is not None:
             leftover = [d for d in op.dst_ids if d not in used]
             if leftover:
-                self.allocator(op.kind.dst).free(leftover)
+                pool.free(leftover)
         return op
 
     def _unpin(self, node: TreeNode, op: Transfer) -> None:
@@ -237,20 +263,21 @@ class TierBooks:
         kind, ps = op.kind, self.tree.page_size
         if kind == Kind.PROMOTE:
             if node.pinned[Tier.DRAM] == 0:
-                node.dram_from_nvme = node.waited_for_read = False
+                node.dram_from, node.waited_for_read = None, False
             return []
         src = page_ids(node, kind.src, ps) if node.in_tier(kind.src) else []
         if not src or not all(flags.get(s, False) for s in src) or node.in_tier(kind.dst):
-            if kind == Kind.PREFETCH and src and not all(flags.get(s, False) for s in src):
-                logger.warning("hiradix: NVMe read of %s failed verification; treated as a miss", node)
+            if kind in (Kind.PREFETCH, Kind.GET) and src and not all(flags.get(s, False) for s in src):
+                what = "NVMe read" if kind == Kind.PREFETCH else "store read"
+                logger.warning("hiradix: %s of %s failed (missing or not verified); treated as a miss", what, node)
                 self.drop_subtree(node)
             return []
         dst = [op.dst_of[s] for s in src]
         self.tree.attach(node, kind.dst, dst)
         if kind == Kind.DEMOTE and self.nvme_journal is not None:
             self.nvme_journal.stored(node, dst)
-        if kind == Kind.PREFETCH:
-            node.dram_from_nvme = True
+        if kind in (Kind.PREFETCH, Kind.GET):
+            node.dram_from = kind.src
             node.waited_for_read = not op.ahead
         return dst
 
@@ -259,10 +286,10 @@ class TierBooks:
         self.nvme_enabled = False
 
     def drop_subtree(self, node: TreeNode) -> None:
-        """Forget ``node`` and its descendants on DRAM/NVMe (none of them is in HBM)."""
+        """Forget ``node`` and its descendants on DRAM/NVMe/store (none of them is in HBM)."""
         for child in list(node.children.values()):
             self.drop_subtree(child)
-        for tier in (Tier.NVME, Tier.DRAM):
+        for tier in (Tier.STORE, Tier.NVME, Tier.DRAM):
             # A pinned copy stays until its own transfer completes.
             if node.alive and node.in_tier(tier) and node.pinned[tier] == 0 and (node.num_tiers > 1 or not node.children):
                 self.drop_copy(node, tier)
@@ -294,7 +321,7 @@ class TierBooks:
                     self._unpin(m, op)
         held = self._held()
         for n in reversed(nodes):  # children before their parents
-            for tier in (Tier.NVME, Tier.DRAM):
+            for tier in (Tier.STORE, Tier.NVME, Tier.DRAM):
                 if n.alive and n.in_tier(tier):
                     self.drop_copy(n, tier, held)
         return True
@@ -302,8 +329,9 @@ class TierBooks:
     def _quarantine_op(self, op: Transfer) -> None:
         """Forget transfer ``op``; its worker-side pages stay reserved until its ack."""
         del self.ops[op.op_id]
-        worker = op.kind in (Kind.DEMOTE, Kind.PREFETCH)
-        self._quarantine[op.op_id] = [(op.kind.src, list(op.src_ids)), (op.kind.dst, list(op.dst_ids))] if worker else []
+        worker = op.kind in (Kind.DEMOTE, Kind.PREFETCH, Kind.PUT, Kind.GET)
+        held = [(op.kind.src, list(op.src_ids)), (op.kind.dst, list(op.dst_ids))] if worker else []
+        self._quarantine[op.op_id] = [(tier, ids) for tier, ids in held if self.allocator(tier) is not None]
 
     def _held(self) -> set[tuple[Tier, int]]:
         """``(tier, id)`` pairs reserved by the quarantine."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from hiradix.core.node import Tier, TreeNode
+from hiradix.core.node import Tier, TreeMatch, TreeNode
 from hiradix.core.tree import TieredRadixTree
 
 
@@ -26,6 +26,7 @@ class QueueView:
     window: int = 0  # requests inspected (<= W)
     prefetch_window: int = 0  # L_pw, in requests
     protected_nodes: int = 0  # distinct nodes some request in the window needs
+    matches: list[TreeMatch] = field(default_factory=list)  # per inspected request, in queue order (peeks)
 
 
 def plan(
@@ -54,6 +55,7 @@ def plan(
     if not inspected:
         return view
     matches = [tree.match(tokens, namespace, split=False, touch=False) for tokens, namespace in inspected]
+    view.matches = matches
     for pos, m in enumerate(matches):
         for node in m.nodes:
             view.needed_at.setdefault(node.id, pos)

@@ -4,7 +4,12 @@ Every node records which tiers hold its KV (CachedAttention, USENIX ATC '24, §3
 
 * ``hbm_slots``  -- token slot ids in SGLang's device KV pool, shape ``(num_tokens,)``;
 * ``dram_pages`` -- DRAM page ids, one per page;
-* ``nvme_slots`` -- NVMe slot ids, one per page.
+* ``nvme_slots`` -- NVMe slot ids, one per page;
+* ``store_keys`` -- keys of the page objects in the cluster store, one per page (content
+  addresses: the page-hash chain of the prefix, the namespace and the KV fingerprint).
+
+A store copy is a hint: the store may drop an object at any time (its own eviction, a holder
+or master restart), so a store record is confirmed only by a read that verifies.
 
 The tree (:mod:`hiradix.core.tree`) and the ledger (:mod:`hiradix.core.ledger`) are the only
 writers of these fields.
@@ -24,6 +29,11 @@ class Tier(IntEnum):
     HBM = 0
     DRAM = 1
     NVME = 2
+    STORE = 3  # the cluster store shared by the servers (Mooncake Store)
+
+
+NUM_TIERS = len(Tier)
+LOCAL_TIERS = (Tier.HBM, Tier.DRAM, Tier.NVME)  # this server's own tiers
 
 
 class IntegrityError(AssertionError):
@@ -52,12 +62,13 @@ class TreeNode:
     hbm_slots: Optional[Any] = None  # Shape (num_tokens,) int64 device slot ids, or None
     dram_pages: Optional[list[int]] = None  # one DRAM page id per page, or None
     nvme_slots: Optional[list[int]] = None  # one NVMe slot id per page, or None
+    store_keys: Optional[list[str]] = None  # one cluster-store key per page, or None
     lock_ref: int = 0  # running requests whose prefix passes through here (HBM pin)
     ops: set = field(default_factory=set)  # ids of in-flight transfers touching this node
-    pinned: list = field(default_factory=lambda: [0, 0, 0])  # per tier: in-flight transfers using that copy
+    pinned: list = field(default_factory=lambda: [0] * NUM_TIERS)  # per tier: in-flight transfers using that copy
     last_access_s: float = 0.0  # monotonic seconds of the last match/insert touching it
     hit_count: int = 0  # times a request other than the inserter reused it
-    dram_from_nvme: bool = False  # the DRAM copy was read from NVMe and not promoted to HBM since
+    dram_from: Optional[Tier] = None  # NVME or STORE: the DRAM copy was read from there, not promoted since
     waited_for_read: bool = False  # ...and a request waited at admission for that read (not read ahead)
     # hiradix.persistence: hash of the prefix through this node's last page, cached; a split
     # leaves it on the lower node (same last page) and not on the new upper one.
@@ -72,10 +83,12 @@ class TreeNode:
         return self.parent is not None
 
     def ids_in(self, tier: Tier) -> Optional[Any]:
-        """Ids of this node's copy in ``tier``: HBM token slots, DRAM pages or NVMe slots."""
+        """Ids of this node's copy in ``tier``: HBM token slots, DRAM pages, NVMe slots or store keys."""
         if tier == Tier.HBM:
             return self.hbm_slots
-        return self.dram_pages if tier == Tier.DRAM else self.nvme_slots
+        if tier == Tier.DRAM:
+            return self.dram_pages
+        return self.nvme_slots if tier == Tier.NVME else self.store_keys
 
     def in_tier(self, tier: Tier) -> bool:
         return self.ids_in(tier) is not None
@@ -89,12 +102,20 @@ class TreeNode:
             out.append(Tier.DRAM)
         if self.nvme_slots is not None:
             out.append(Tier.NVME)
+        if self.store_keys is not None:
+            out.append(Tier.STORE)
         return out
 
     @property
     def num_tiers(self) -> int:
         """How many tiers hold this node's KV (0 only for the root)."""
-        return (self.hbm_slots is not None) + (self.dram_pages is not None) + (self.nvme_slots is not None)
+        return ((self.hbm_slots is not None) + (self.dram_pages is not None) + (self.nvme_slots is not None)
+                + (self.store_keys is not None))
+
+    @property
+    def dram_from_nvme(self) -> bool:
+        """The DRAM copy was read from NVMe (and not promoted to HBM since)."""
+        return self.dram_from == Tier.NVME
 
     def __repr__(self) -> str:
         tiers = "".join(t.name[0] for t in self.tiers())
@@ -106,8 +127,10 @@ class TreeMatch:
     """Result of :meth:`hiradix.core.tree.TieredRadixTree.match`, in tokens.
 
     ``hbm_len`` tokens are in HBM along the path to ``hbm_node``; the following ``dram_len``
-    tokens are in DRAM (loadable to HBM) up to ``dram_node``; then ``nvme_len`` tokens only on
-    NVMe (to be read into DRAM first) up to ``nvme_node``. ``nodes`` is the matched path.
+    tokens are in DRAM (loadable to HBM) up to ``dram_node``; then ``nvme_len`` tokens on NVMe
+    (to be read into DRAM first) up to ``nvme_node``; then ``store_len`` tokens only in the
+    cluster store up to ``store_node``. ``nodes`` is the matched path; ``matched_len`` all of it
+    (the match may stop at a node no tier serves in order, e.g. store-only above NVMe).
     """
 
     hbm_len: int
@@ -118,11 +141,22 @@ class TreeMatch:
     nvme_node: TreeNode
     nodes: tuple[TreeNode, ...]
     last_node: TreeNode  # deepest matched node (may extend past the match in a peek)
+    store_len: int = 0
+    store_node: Optional[TreeNode] = None
+    matched_len: int = 0  # tokens of the whole matched path (>= the four lengths' sum)
+
+    @property
+    def cached_len(self) -> int:
+        """Tokens served from some tier, in tier order (HBM + DRAM + NVMe + store)."""
+        return self.hbm_len + self.dram_len + self.nvme_len + self.store_len
+
+    def length(self, tier: Tier) -> int:
+        return (self.hbm_len, self.dram_len, self.nvme_len, self.store_len)[tier]
 
     def stage(self, tier: Tier) -> list[TreeNode]:
-        """Matched nodes served from ``tier``: HBM first, then DRAM, then NVMe."""
-        start = {Tier.HBM: 0, Tier.DRAM: self.hbm_len, Tier.NVME: self.hbm_len + self.dram_len}[tier]
-        end = start + (self.hbm_len, self.dram_len, self.nvme_len)[tier]
+        """Matched nodes served from ``tier``: HBM first, then DRAM, NVMe, the store."""
+        start = sum(self.length(t) for t in Tier if t < tier)
+        end = start + self.length(tier)
         out, pos = [], 0
         for node in self.nodes:
             if start <= pos < end:

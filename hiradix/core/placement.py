@@ -14,7 +14,8 @@ moved. Everything that decides to drop a copy is here:
   (a DRAM hit for the next turn) or goes (DRAM is short: below ``DRAM_FREE_LOW`` free; always
   in staging mode). :meth:`Placement.after_promote`: staging mode drops a promoted page's DRAM
   copy when NVMe holds it too.
-* :meth:`Placement.forget_nvme`: what the NVMe tier's copies become when it is switched off.
+* :meth:`Placement.forget_nvme` / :meth:`forget`: what the copies of NVMe or the cluster store
+  become when that tier is switched off.
 
 Rule: a copy leaves the last tier holding it only when there is nowhere below to keep it;
 every other eviction drops a redundant copy (CachedAttention §3.3, write-back to the SSD).
@@ -135,26 +136,37 @@ class Placement:
         return todo
 
     def forget_nvme(self) -> int:
-        """The NVMe tier is switched off: drop every NVMe copy it can no longer serve.
+        """The NVMe tier is switched off: drop every NVMe copy it can no longer serve (:meth:`forget`).
 
-        Nodes whose only copy was on NVMe go too (with what hangs below them); copies pinned by
-        a transfer in flight stay until it completes (call again later). Returns pages freed.
+        Returns the NVMe pages freed.
         """
         books = self.books
         books.close_nvme()
         if books.nvme is None:
             return 0
         before = books.nvme.num_free
-        for node in sorted(self.tree.sole_copies(Tier.NVME) | self.tree.candidates(Tier.NVME), key=lambda n: -n.num_tokens):
-            if node.alive and node.in_tier(Tier.NVME) and node.pinned[Tier.NVME] == 0:
-                if node.num_tiers > 1 or not node.children:
-                    books.drop_copy(node, Tier.NVME)
-                else:
-                    books.drop_subtree(node)
+        self.forget(Tier.NVME)
         return books.nvme.num_free - before
 
+    def forget(self, tier: Tier) -> int:
+        """Drop every copy in ``tier`` (NVMe or the store, switched off) no transfer is using.
+
+        Nodes whose only copy was there go too, with what hangs below them (unreachable without
+        them); copies pinned by a transfer in flight stay until it completes (call again later).
+        Returns the nodes whose copy was dropped.
+        """
+        held = [n for n in self.tree.iter_nodes() if n.in_tier(tier) and n.pinned[tier] == 0]
+        for node in sorted(held, key=lambda n: -n.num_tokens):
+            if node.alive and node.in_tier(tier) and node.pinned[tier] == 0:
+                if node.num_tiers > 1 or not node.children:
+                    self.books.drop_copy(node, tier)
+                else:
+                    self.books.drop_subtree(node)
+        return len(held)
+
     # ------------------------------------------------------------ HBM
-    def evict_hbm(self, num_tokens: int, backup: Optional[Callable[[TreeNode], bool]] = None) -> list[Any]:
+    def evict_hbm(self, num_tokens: int, backup: Optional[Callable[[TreeNode], bool]] = None,
+                  left: Optional[list] = None) -> list[Any]:
         """Drop HBM copies of at least ``num_tokens`` tokens if that many are evictable.
 
         Victims come in policy order (:meth:`TieredRadixTree.victims`); locked or pinned
@@ -163,6 +175,9 @@ class Placement:
         there is no backup) the node's KV is lost together with what hangs below it. A node
         whose children are pinned by a transfer in flight is taken last, abandoning those
         transfers, only if the others did not free enough: SGLang counted it as evictable.
+
+        Args:
+            left: if given, the nodes that lost their HBM copy and stay in the tree are appended.
 
         Returns:
             The freed HBM slot arrays, for the caller to return to the device allocator.
@@ -180,6 +195,8 @@ class Placement:
                 self._lost(node)
             evicted += node.num_tokens
             freed.append(self.tree.detach(node, Tier.HBM))
+            if left is not None and node.alive:
+                left.append(node)
         for node in stuck:  # only with lower tiers: without them an HBM candidate has no children
             if evicted >= num_tokens or not node.alive or node.lock_ref or node.tiers() != [Tier.HBM]:
                 continue

@@ -92,7 +92,8 @@ class JobResult(Protocol):
 
 
 class IOClient(Protocol):
-    """Carries out DEMOTE (DRAM -> NVMe store) and PREFETCH (NVMe -> DRAM load) jobs.
+    """Carries out DEMOTE (DRAM -> NVMe) and PREFETCH (NVMe -> DRAM) jobs, and the cluster
+    store's PUT (DRAM -> store), GET (store -> DRAM) and exists queries.
 
     Every submitted job yields exactly one :class:`JobResult` from :meth:`poll` or :meth:`wait`.
     """
@@ -105,6 +106,18 @@ class IOClient(Protocol):
 
     def submit_load(self, job_id: int, nvme_slots: Sequence[int], dram_pages: Sequence[int]) -> None:
         """Queue a read of NVMe slots into DRAM pages (pairwise, in order; checksums verified)."""
+        ...
+
+    def submit_put(self, job_id: int, dram_pages: Sequence[int], keys: Sequence[str]) -> None:
+        """Queue a copy of DRAM pages into the cluster store under ``keys`` (pairwise, in order)."""
+        ...
+
+    def submit_get(self, job_id: int, keys: Sequence[str], dram_pages: Sequence[int]) -> None:
+        """Queue a read of store objects into DRAM pages (pairwise; checksums verified)."""
+        ...
+
+    def submit_exists(self, job_id: int, keys: Sequence[str]) -> None:
+        """Queue a query: which of ``keys`` the store holds (one flag per key; a hint)."""
         ...
 
     def poll(self) -> list[JobResult]:

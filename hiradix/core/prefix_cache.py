@@ -15,6 +15,7 @@ until handed to :meth:`checkpoint`).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from hiradix.core.controller import TierController
@@ -26,6 +27,29 @@ from hiradix.core.tree import TieredRadixTree
 
 Key = Sequence[int]  # token ids
 Namespace = Optional[tuple]  # (extra_key, cache_salt) or None
+
+
+@dataclass(frozen=True)
+class LoadBack:
+    """What :meth:`TieredPrefixCache.load_back` promoted, in tokens.
+
+    Attributes:
+        loaded: tokens now in HBM (0: nothing, the request recomputes them).
+        read_from: tokens whose DRAM copy had been read from ``Tier.NVME`` / ``Tier.STORE``
+            (early by the look-ahead window or while the request waited).
+        waited_from: those of them the request waited for at admission.
+        node: the new last node of the request's prefix.
+    """
+
+    loaded: int
+    read_from: dict
+    waited_from: dict
+    node: TreeNode
+
+    @property
+    def waited(self) -> int:
+        """Tokens the request waited for while they were read from NVMe or the store."""
+        return sum(self.waited_from.values())
 
 
 class TieredPrefixCache:
@@ -66,28 +90,45 @@ class TieredPrefixCache:
     def match(self, tokens: Key, namespace: Namespace = None) -> TreeMatch:
         """Longest cached prefix across tiers; splits and touches (modifies the tree).
 
-        Tokens only on NVMe start a read into DRAM; the request waits for it at admission
+        Tokens only on NVMe or in the cluster store start a read into DRAM, and the pages after
+        the local match are looked up in the store; the request waits for both at admission
         (:meth:`should_wait`) up to ``load_timeout_s``.
         """
         m = self.tree.match(tokens, namespace)
         if self.tiers is not None:
             if m.hbm_len and self.tiers.write_selective:
                 self.tiers.after_hit(m.stage(Tier.HBM))
-            if m.nvme_len:
-                self.tiers.prefetch(m.stage(Tier.NVME), self.load_timeout_s)
+            self._start_reads(m, tokens, namespace, ahead=False)
         return m
 
+    def _start_reads(self, m: TreeMatch, tokens: Key, namespace: Namespace, ahead: bool) -> None:
+        if m.nvme_len:
+            self.tiers.prefetch(m.stage(Tier.NVME), self.load_timeout_s, ahead=ahead)
+        self._start_store_reads(m, tokens, namespace, ahead)
+
+    def _start_store_reads(self, m: TreeMatch, tokens: Key, namespace: Namespace, ahead: bool) -> None:
+        if m.store_len:
+            self.tiers.prefetch(m.stage(Tier.STORE), self.load_timeout_s, ahead=ahead, src=Tier.STORE)
+        if m.matched_len == m.cached_len:  # the tree knows nothing more: ask the store what follows
+            self.tiers.lookup(m, tokens, namespace, self.load_timeout_s, ahead=ahead)
+
     def should_wait(self, tokens: Key, namespace: Namespace = None) -> bool:
-        """Whether admission should skip this request for now: NVMe reads of its prefix are in
-        flight and within ``load_timeout_s`` (afterwards it runs with what is ready)."""
-        if self.tiers is None or not self.tiers.books.in_flight():
+        """Whether admission should skip this request for now: NVMe or store reads of its prefix,
+        or a store lookup of what follows it, are in flight and within ``load_timeout_s``
+        (afterwards it runs with what is ready)."""
+        tiers = self.tiers
+        if tiers is None or not (tiers.books.in_flight() or (tiers.store is not None and tiers.store.lookups)):
             return False
         m = self.tree.match(tokens, namespace, split=False, touch=False)
-        wait = m.nvme_len > 0 and self.tiers.prefetch_pending(m.stage(Tier.NVME), self.load_timeout_s)
-        self.tiers.stats.admission_skips += wait
+        wait = False
+        for tier in (Tier.NVME, Tier.STORE):
+            if m.length(tier):
+                wait |= tiers.prefetch_pending(m.stage(tier), self.load_timeout_s)
+        wait |= tiers.lookup_pending(m, tokens, namespace, self.load_timeout_s)
+        tiers.stats.admission_skips += wait
         return wait
 
-    def load_back(self, start: TreeNode, end: TreeNode, num_tokens: int) -> tuple[int, int, TreeNode]:
+    def load_back(self, start: TreeNode, end: TreeNode, num_tokens: int) -> LoadBack:
         """Promote the DRAM nodes below ``start`` down to ``end`` into new HBM slots (all or none).
 
         Args:
@@ -96,27 +137,26 @@ class TieredPrefixCache:
             num_tokens: DRAM tokens the match reported between them.
 
         Returns:
-            ``(loaded_tokens, storage_tokens, new_last_node)``: ``storage_tokens`` of them had
-            their DRAM copy read up from NVMe for this use (NVMe hits, whether read ahead by the
-            look-ahead window or while the request waited); ``(0, 0, start)`` when the path
-            changed since the match or device memory cannot be found (the request recomputes).
+            A :class:`LoadBack`; ``loaded == 0`` and ``node is start`` when the path changed
+            since the match or device memory cannot be found (the request recomputes).
         """
+        nothing = LoadBack(0, {Tier.NVME: 0, Tier.STORE: 0}, {Tier.NVME: 0, Tier.STORE: 0}, start)
         if self.tiers is None or num_tokens <= 0 or end is start or not end.alive:
-            return 0, 0, start
+            return nothing
         nodes = self.tree.path(end)[len(self.tree.path(start)):]
         ok = bool(nodes) and nodes[0].parent is start
         ok = ok and all(n.in_tier(Tier.DRAM) and not n.in_tier(Tier.HBM) for n in nodes)
         if not ok or sum(n.num_tokens for n in nodes) != num_tokens:
-            return 0, 0, start
+            return nothing
         self.tiers.books.hold(nodes, Tier.DRAM)  # eviction for the slots must not drop them
         try:
             slots = self.alloc_device(num_tokens)
         finally:
             self.tiers.books.release(nodes, Tier.DRAM)
         if slots is None:
-            return 0, 0, start
-        storage = self.tiers.load_back(nodes, slots)
-        return num_tokens, storage, end
+            return nothing
+        read_from, waited_from = self.tiers.load_back(nodes, slots)
+        return LoadBack(num_tokens, read_from, waited_from, end)
 
     def start_loading(self) -> int:
         """Start the promotions queued while building a batch; returns its consumer index (-1: none)."""
@@ -218,6 +258,9 @@ class TieredPrefixCache:
         if self.tiers is not None:
             for nodes in view.prefetch:
                 self.tiers.prefetch(nodes, self.load_timeout_s, ahead=True)
+            if self.tiers.store_enabled:
+                for m, (tokens, namespace) in zip(view.matches[: view.prefetch_window], window):
+                    self._start_store_reads(m, tokens, namespace, ahead=True)
         self.last_view = view
         return view
 

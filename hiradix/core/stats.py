@@ -8,6 +8,7 @@ from hiradix.core.ledger import Kind
 
 PREFETCH_OUTCOMES = ("started", "completed", "failed", "used", "wasted")
 STORAGE_HIT_READS = ("ahead", "at_admission")
+STORE_OUTCOMES = ("used",)  # the store tier's other counts live in StoreTier.counts
 
 
 @dataclass
@@ -24,7 +25,8 @@ class TierStats:
         storage_hit_tokens: NVMe hits (tokens promoted to HBM from a DRAM copy read up from NVMe
             for that use) by when the read ran: ``ahead`` (the look-ahead window read them before
             the request reached admission) or ``at_admission`` (the request waited for the read).
-        admission_skips: times admission skipped a request waiting for its NVMe reads.
+        store_tokens: tokens fetched from the cluster store that were promoted to HBM (used).
+        admission_skips: times admission skipped a request waiting for its NVMe or store reads.
         restored_pages: NVMe pages re-indexed from the durable index at start.
     """
 
@@ -32,5 +34,6 @@ class TierStats:
     transfers_failed: dict[str, int] = field(default_factory=lambda: {k.name: 0 for k in Kind})
     prefetch_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREFETCH_OUTCOMES, 0))
     storage_hit_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STORAGE_HIT_READS, 0))
+    store_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STORE_OUTCOMES, 0))
     admission_skips: int = 0
     restored_pages: int = 0

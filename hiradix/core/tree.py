@@ -33,7 +33,7 @@ import time
 from array import array
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from hiradix.core.node import IntegrityError, Tier, TreeMatch, TreeNode, require
+from hiradix.core.node import NUM_TIERS, IntegrityError, Tier, TreeMatch, TreeNode, require
 from hiradix.core.policy import EvictionPolicy, LRUPolicy
 
 __all__ = ["IntegrityError", "Tier", "TieredRadixTree", "TreeMatch", "TreeNode"]
@@ -74,9 +74,9 @@ class TieredRadixTree:
         self.root.hbm_slots = []
         self.hbm_evictable_tokens = 0  # unlocked tokens the tree holds in HBM
         self.hbm_protected_tokens = 0  # locked tokens the tree holds in HBM
-        self.tier_tokens = [0, 0, 0]  # tokens held per tier
-        self._candidates: list[set[TreeNode]] = [set(), set(), set()]  # eviction candidates per tier
-        self._sole: list[set[TreeNode]] = [set(), set(), set()]  # nodes held by that tier only
+        self.tier_tokens = [0] * NUM_TIERS  # tokens held per tier
+        self._candidates: list[set[TreeNode]] = [set() for _ in Tier]  # eviction candidates per tier
+        self._sole: list[set[TreeNode]] = [set() for _ in Tier]  # nodes held by that tier only
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         """Every non-root node, parents before children."""
@@ -143,8 +143,8 @@ class TieredRadixTree:
         return self._summarize(nodes, pos)
 
     def _summarize(self, nodes: list[TreeNode], matched: int) -> TreeMatch:
-        lens = [0, 0, 0]
-        ends = [self.root, self.root, self.root]
+        lens = [0] * NUM_TIERS
+        ends = [self.root] * NUM_TIERS
         seen, stage = 0, Tier.HBM
         for node in nodes:
             n = min(node.num_tokens, matched - seen)
@@ -155,10 +155,12 @@ class TieredRadixTree:
             stage = tier
             lens[tier] += n
             ends[tier] = node
-        ends[Tier.DRAM] = ends[Tier.DRAM] if lens[Tier.DRAM] else ends[Tier.HBM]
-        ends[Tier.NVME] = ends[Tier.NVME] if lens[Tier.NVME] else ends[Tier.DRAM]
+        for tier in (Tier.DRAM, Tier.NVME, Tier.STORE):
+            if not lens[tier]:
+                ends[tier] = ends[tier - 1]
         last = nodes[-1] if nodes else self.root
-        return TreeMatch(lens[0], ends[0], lens[1], ends[1], lens[2], ends[2], tuple(nodes), last)
+        return TreeMatch(lens[0], ends[0], lens[1], ends[1], lens[2], ends[2], tuple(nodes), last,
+                         store_len=lens[3], store_node=ends[3], matched_len=matched)
 
     def touch(self, tokens: Sequence[int], namespace: Optional[tuple] = None) -> None:
         """Refresh recency along the cached path of ``tokens`` without splitting."""
@@ -225,8 +227,10 @@ class TieredRadixTree:
                 self.hbm_evictable_tokens += node.num_tokens
         elif tier == Tier.DRAM:
             node.dram_pages = list(ids)
-        else:
+        elif tier == Tier.NVME:
             node.nvme_slots = list(ids)
+        else:
+            node.store_keys = list(ids)
         self.tier_tokens[tier] += node.num_tokens
         self._refresh_around(node)
 
@@ -243,9 +247,11 @@ class TieredRadixTree:
             self.hbm_evictable_tokens -= node.num_tokens
         elif tier == Tier.DRAM:
             node.dram_pages = None
-            node.dram_from_nvme = node.waited_for_read = False
-        else:
+            node.dram_from, node.waited_for_read = None, False
+        elif tier == Tier.NVME:
             node.nvme_slots = None
+        else:
+            node.store_keys = None
         self.tier_tokens[tier] -= node.num_tokens
         if not node.tiers():
             self._delete(node)
@@ -253,29 +259,40 @@ class TieredRadixTree:
             self._refresh_around(node)
         return ids
 
-    def restore(self, parent: TreeNode, tokens: Sequence[int], namespace: Optional[tuple], nvme_slots: Sequence[int]) -> TreeNode:
-        """Add a child of ``parent`` held only on NVMe (re-indexing persisted pages at start).
+    def add_child(self, parent: TreeNode, tokens: Sequence[int], namespace: Optional[tuple], tier: Tier,
+                  ids: Sequence[Any]) -> TreeNode:
+        """Add a child of ``parent`` held only in ``tier`` (DRAM, NVMe or the store).
+
+        For KV this tree did not compute: NVMe pages re-indexed at start, store pages another
+        server put. The child gets a fresh access time.
 
         Args:
             parent: the root or a node already in the tree.
             tokens: the child's token ids, whole pages.
             namespace: see :meth:`match`.
-            nvme_slots: one NVMe slot per page.
+            tier: the tier holding it.
+            ids: one page id (slot, key) per page.
 
         Raises:
-            ValueError: ``tokens`` is not whole pages, the slot count differs, or ``parent``
-                already has a child starting with this page.
+            ValueError: ``tokens`` is not whole pages, the id count differs, ``tier`` is HBM, or
+                ``parent`` already has a child starting with this page.
         """
-        if not tokens or len(tokens) % self.page_size or len(nvme_slots) != len(tokens) // self.page_size:
-            raise ValueError(f"{len(tokens)} tokens / {len(nvme_slots)} slots is not whole pages of {self.page_size}")
+        if tier == Tier.HBM:
+            raise ValueError("add_child cannot add HBM copies; insert() does")
+        if not tokens or len(tokens) % self.page_size or len(ids) != len(tokens) // self.page_size:
+            raise ValueError(f"{len(tokens)} tokens / {len(ids)} ids is not whole pages of {self.page_size}")
         key = self._child_key(parent, tokens, 0, namespace)
         if key in parent.children:
             raise ValueError(f"{parent} already has a child for page {key}")
         node = TreeNode(next(self._ids), parent, array("q", tokens), namespace)
         node.last_access_s = self.clock()
         parent.children[key] = node
-        self.attach(node, Tier.NVME, list(nvme_slots))
+        self.attach(node, tier, list(ids))
         return node
+
+    def restore(self, parent: TreeNode, tokens: Sequence[int], namespace: Optional[tuple], nvme_slots: Sequence[int]) -> TreeNode:
+        """:meth:`add_child` on NVMe (re-indexing persisted pages at start)."""
+        return self.add_child(parent, tokens, namespace, Tier.NVME, nvme_slots)
 
     def _delete(self, node: TreeNode) -> None:
         assert not node.children and not node.tiers(), node
@@ -301,7 +318,7 @@ class TieredRadixTree:
             pinned=list(node.pinned),
             last_access_s=node.last_access_s,
             hit_count=node.hit_count,
-            dram_from_nvme=node.dram_from_nvme,
+            dram_from=node.dram_from,
             waited_for_read=node.waited_for_read,
         )
         if node.hbm_slots is not None:
@@ -310,6 +327,8 @@ class TieredRadixTree:
             upper.dram_pages, node.dram_pages = node.dram_pages[:p], node.dram_pages[p:]
         if node.nvme_slots is not None:
             upper.nvme_slots, node.nvme_slots = node.nvme_slots[:p], node.nvme_slots[p:]
+        if node.store_keys is not None:
+            upper.store_keys, node.store_keys = node.store_keys[:p], node.store_keys[p:]
         parent_key = self._key_in_parent(node)
         node.tokens = node.tokens[n:]
         node.parent = upper
@@ -441,8 +460,8 @@ class TieredRadixTree:
                 self._sole[tier].discard(node)
 
     def _is_candidate(self, node: TreeNode, tier: Tier) -> bool:
-        if not node.in_tier(tier) or node.pinned[tier] > 0:
-            return False
+        if not node.in_tier(tier) or node.pinned[tier] > 0 or tier == Tier.STORE:
+            return False  # the store evicts on its own; a store copy is only forgotten
         if tier == Tier.HBM:
             # The evictor backs a last HBM copy up to DRAM first (or drops the subtree below).
             return node.lock_ref == 0 and not any(c.hbm_slots is not None for c in node.children.values())
@@ -515,10 +534,10 @@ class TieredRadixTree:
             IntegrityError: naming the first broken invariant.
         """
         evictable = protected = 0
-        tier_tokens = [0, 0, 0]
+        tier_tokens = [0] * NUM_TIERS
         seen_slots: set[int] = set()
-        cands: list[set] = [set(), set(), set()]
-        sole: list[set] = [set(), set(), set()]
+        cands: list[set] = [set() for _ in Tier]
+        sole: list[set] = [set() for _ in Tier]
         for node in self.iter_nodes():
             self._check_node(node, seen_slots)
             tiers = node.tiers()
@@ -558,6 +577,6 @@ class TieredRadixTree:
             before = len(seen_slots)
             seen_slots.update(slots)
             require(len(seen_slots) - before == len(slots), f"{node} shares an HBM slot with another node")
-        for pages in (node.dram_pages, node.nvme_slots):
+        for pages in (node.dram_pages, node.nvme_slots, node.store_keys):
             if pages is not None:
                 require(len(pages) == node.num_tokens // ps, f"{node} has {len(pages)} pages for {node.num_tokens} tokens")

@@ -34,6 +34,7 @@ import hiradix
 from hiradix.io.protocol import (
     Endpoints,
     Job,
+    GetStore,
     JobDone,
     LoadPages,
     Ping,
@@ -41,6 +42,8 @@ from hiradix.io.protocol import (
     ProtocolError,
     PullQueue,
     PushQueue,
+    PutStore,
+    QueryStore,
     Ready,
     Rejected,
     Shutdown,
@@ -272,6 +275,18 @@ class IOWorkerClient:
     def submit_load(self, job_id: int, nvme_slots: list[int], dram_pages: list[int]) -> None:
         """:meth:`submit` a ``LoadPages`` job (the core's ``IOClient`` port)."""
         self.submit(LoadPages(job_id, list(nvme_slots), list(dram_pages)))
+
+    def submit_put(self, job_id: int, dram_pages: list[int], keys: list[str]) -> None:
+        """:meth:`submit` a ``PutStore`` job (DRAM pages -> cluster store)."""
+        self.submit(PutStore(job_id, list(dram_pages), list(keys)))
+
+    def submit_get(self, job_id: int, keys: list[str], dram_pages: list[int]) -> None:
+        """:meth:`submit` a ``GetStore`` job (cluster store -> DRAM pages)."""
+        self.submit(GetStore(job_id, list(keys), list(dram_pages)))
+
+    def submit_exists(self, job_id: int, keys: list[str]) -> None:
+        """:meth:`submit` a ``QueryStore`` job (which keys the cluster store holds)."""
+        self.submit(QueryStore(job_id, list(keys)))
 
     def poll(self) -> list[JobDone]:
         """Drain replies without blocking.

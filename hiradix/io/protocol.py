@@ -78,6 +78,47 @@ class LoadPages(_Msg, frozen=True, tag=True):
     dram_pages: list[int]
 
 
+class PutStore(_Msg, frozen=True, tag=True):
+    """Copy DRAM pages into the cluster store: ``dram_pages[i]`` -> object ``keys[i]``.
+
+    Attributes:
+        job_id: Caller-chosen id, unique among the caller's in-flight jobs, >= 0.
+        dram_pages: DRAM page ids to read, in [0, num_dram_pages), no duplicates.
+        keys: Store keys to write, same length, no duplicates.
+    """
+
+    job_id: int
+    dram_pages: list[int]
+    keys: list[str]
+
+
+class GetStore(_Msg, frozen=True, tag=True):
+    """Copy store objects into DRAM pages: object ``keys[i]`` -> ``dram_pages[i]``; a page is
+    ``ok`` only if its object was found and its checksum verified.
+
+    Attributes:
+        job_id: Caller-chosen id, unique among the caller's in-flight jobs, >= 0.
+        keys: Store keys to read, no duplicates.
+        dram_pages: DRAM page ids to write, in [0, num_dram_pages), no duplicates, same length.
+    """
+
+    job_id: int
+    keys: list[str]
+    dram_pages: list[int]
+
+
+class QueryStore(_Msg, frozen=True, tag=True):
+    """Which of ``keys`` the store holds; ``ok[i]`` = found (a hint: a later GET may still miss).
+
+    Attributes:
+        job_id: Caller-chosen id, unique among the caller's in-flight jobs, >= 0.
+        keys: Store keys, no duplicates.
+    """
+
+    job_id: int
+    keys: list[str]
+
+
 class Ping(_Msg, frozen=True, tag=True):
     """Liveness probe; answered by ``Pong(seq)`` after every earlier message was taken in."""
 
@@ -137,8 +178,9 @@ class Rejected(_Msg, frozen=True, tag=True):
     reason: str
 
 
-Job = Union[StorePages, LoadPages]
-WorkerRequest = Union[StorePages, LoadPages, Ping, Shutdown]
+Job = Union[StorePages, LoadPages, PutStore, GetStore, QueryStore]
+StoreJob = Union[PutStore, GetStore, QueryStore]  # run against the cluster store
+WorkerRequest = Union[StorePages, LoadPages, PutStore, GetStore, QueryStore, Ping, Shutdown]
 WorkerReply = Union[Ready, StartFailed, JobDone, Pong, Rejected]
 Msg = Union[WorkerRequest, WorkerReply]
 
@@ -186,29 +228,50 @@ def decode_reply(buf: bytes) -> WorkerReply:
 
 
 def job_pages(job: Job) -> int:
-    """Number of pages a job moves (the length of its ``ok`` list)."""
-    return len(job.dram_pages)
+    """Number of pages (or keys) a job covers (the length of its ``ok`` list)."""
+    return len(job.keys) if isinstance(job, QueryStore) else len(job.dram_pages)
 
 
-def validate_job(job: Job, num_dram_pages: int, num_nvme_slots: int) -> str:
+MAX_KEY_CHARS = 256  # longest store key accepted
+
+
+def validate_job(job: Job, num_dram_pages: int, num_nvme_slots: int, has_store: bool = False) -> str:
     """Check a job against the tiers' sizes.
 
     Args:
         job: The job as decoded.
         num_dram_pages: DRAM pool size, in pages.
         num_nvme_slots: NVMe store size, in slots.
+        has_store: whether this worker has a cluster store (store jobs need one).
 
     Returns:
         An empty string if the job is valid, else the reason it is not.
     """
     if job.job_id < 0:
         return f"job_id must be >= 0, got {job.job_id}"
+    if isinstance(job, (PutStore, GetStore, QueryStore)):
+        return _validate_store_job(job, num_dram_pages, has_store)
     if len(job.dram_pages) != len(job.nvme_slots):
         return f"{len(job.dram_pages)} dram_pages but {len(job.nvme_slots)} nvme_slots"
-    for name, ids, bound in (
-        ("dram_pages", job.dram_pages, num_dram_pages),
-        ("nvme_slots", job.nvme_slots, num_nvme_slots),
-    ):
+    return _check_ids(("dram_pages", job.dram_pages, num_dram_pages), ("nvme_slots", job.nvme_slots, num_nvme_slots))
+
+
+def _validate_store_job(job: StoreJob, num_dram_pages: int, has_store: bool) -> str:
+    if not has_store:
+        return "this worker has no cluster store"
+    if len(set(job.keys)) != len(job.keys):
+        return "keys has duplicates"
+    if any(not k or len(k) > MAX_KEY_CHARS for k in job.keys):
+        return f"keys must be 1..{MAX_KEY_CHARS} characters"
+    if isinstance(job, QueryStore):
+        return ""
+    if len(job.dram_pages) != len(job.keys):
+        return f"{len(job.dram_pages)} dram_pages but {len(job.keys)} keys"
+    return _check_ids(("dram_pages", job.dram_pages, num_dram_pages))
+
+
+def _check_ids(*checks: tuple[str, list[int], int]) -> str:
+    for name, ids, bound in checks:
         bad = [i for i in ids if not 0 <= i < bound]
         if bad:
             return f"{name} out of range [0, {bound}): {bad[:8]}"
@@ -234,6 +297,10 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
         socket_dir: Private directory (mode 0700) for the ipc socket files.
         threads: Jobs run concurrently, >= 1 (reads and writes overlap).
         parent_pid: Process the worker serves; it exits when that process is gone.
+        store_backend: Cluster-store backend name (``hiradix.tiers.store``), "" for none.
+        store_config: The backend's config as JSON text (``--hiradix-store-config``).
+        store_threads: Store jobs run concurrently, on their own threads (a slow store never
+            delays NVMe jobs).
     """
 
     dram_path: str
@@ -246,6 +313,9 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     socket_dir: str
     threads: int = 4
     parent_pid: int
+    store_backend: str = ""
+    store_config: str = ""
+    store_threads: int = 2
 
     def to_json(self) -> str:
         """Serialize to a JSON string (the worker's ``--spec`` argument)."""

@@ -1,12 +1,15 @@
-"""The NVMe I/O worker: a process per TP rank that moves pages between the DRAM and NVMe tiers.
+"""The I/O worker: a process per TP rank that moves pages between DRAM and NVMe / the cluster store.
 
 Run by :class:`hiradix.io.client.IOWorkerClient` as::
 
     python -m hiradix.io.worker --spec '<WorkerSpec JSON>' --jobs ipc://... --acks ipc://...
 
-It attaches the DRAM pool (shared-memory file) and the NVMe store, binds the jobs socket,
-answers ``Ready`` and then serves ``StorePages``/``LoadPages`` on a thread pool of
-``spec.threads`` so reads and writes overlap, one ``JobDone`` per job. It validates every
+It attaches the DRAM pool (shared-memory file), the NVMe store (when it has slots) and the
+cluster store (when ``spec.store_backend`` is set, with the DRAM arena registered for zero-copy
+transfers), binds the jobs socket, answers ``Ready`` and then serves ``StorePages``/``LoadPages``
+on a thread pool of ``spec.threads`` so reads and writes overlap, and ``PutStore``/``GetStore``/
+``QueryStore`` on a pool of their own (``spec.store_threads``), one ``JobDone`` per job. Every
+store call is bounded by the backend's own RPC timeout (``--hiradix-store-config``). It validates every
 message: a malformed one is answered with ``Rejected`` and the loop goes on. It exits on
 ``Shutdown`` (running jobs finish; queued ones fail) or when ``spec.parent_pid`` is no longer
 its parent (checked every ``PARENT_POLL_S``); SIGINT is ignored (the parent decides).
@@ -57,6 +60,7 @@ import zmq
 from hiradix.io.faults import CRASH_LOG_NAME, FaultInjector, Faults, JobPlan
 from hiradix.io.faults import FAULT_EXIT_CODE, FAULTS_ENV  # noqa: F401 - re-exported (tests, callers)
 from hiradix.io.protocol import (
+    GetStore,
     Job,
     JobDone,
     LoadPages,
@@ -65,6 +69,8 @@ from hiradix.io.protocol import (
     ProtocolError,
     PullQueue,
     PushQueue,
+    PutStore,
+    QueryStore,
     Ready,
     Rejected,
     Shutdown,
@@ -89,10 +95,14 @@ ACK_LINGER_S = 2.0  # how long queued replies may take to leave at exit, in seco
 
 
 class Worker:
-    """Serves jobs on one pair of sockets; owns the attached tiers and the thread pool."""
+    """Serves jobs on one pair of sockets; owns the attached tiers and the thread pools.
+
+    NVMe jobs run on one pool, cluster-store jobs on another, so a slow or frozen store never
+    delays NVMe reads and writes. Either tier may be absent (no slots / no store backend).
+    """
 
     def __init__(self, spec: WorkerSpec, jobs_addr: str, replies: PushQueue[WorkerReply]):
-        """Attach both tiers and bind the jobs socket.
+        """Attach the DRAM pool, the NVMe file and the cluster store, and bind the jobs socket.
 
         Raises:
             PermissionError: ``spec.socket_dir`` is not private (0700, ours).
@@ -106,23 +116,30 @@ class Worker:
             raise ValueError("the I/O worker moves whole pages; it needs a page-major layout")
         if layout.page_bytes != spec.page_bytes:
             raise ValueError(f"spec.page_bytes {spec.page_bytes} != layout {layout.page_bytes}")
-        if spec.threads < 1:
-            raise ValueError(f"spec.threads must be >= 1, got {spec.threads}")
+        if spec.threads < 1 or spec.store_threads < 1:
+            raise ValueError(f"spec.threads and spec.store_threads must be >= 1, got {spec.threads}, {spec.store_threads}")
         self.spec = spec
         self.pool = DramPool.attach(Path(spec.dram_path), layout, spec.num_dram_pages)
+        self.store, self.cluster = None, None
         try:
-            self.store = NvmeStore.open(
-                Path(spec.nvme_dir) / NVME_FILE_NAME, spec.page_bytes, spec.num_nvme_slots,
-                backend=spec.io_backend, threads=spec.threads, warn_fallback=False,
-            )
-            self.faults.attach(self.store)
+            if spec.num_nvme_slots > 0:
+                self.store = NvmeStore.open(
+                    Path(spec.nvme_dir) / NVME_FILE_NAME, spec.page_bytes, spec.num_nvme_slots,
+                    backend=spec.io_backend, threads=spec.threads, warn_fallback=False,
+                )
+                self.faults.attach(self.store)
+            if spec.store_backend:
+                self.cluster = _open_cluster_store(spec, self.pool)
         except BaseException:
+            if self.store is not None:
+                self.store.close()
             self.pool.close()
             raise
         self.replies = replies
         self.ctx = zmq.Context.instance()
         self.requests = PullQueue(self.ctx, jobs_addr, decode_request)
         self.executor = ThreadPoolExecutor(spec.threads, thread_name_prefix="hiradix-io")
+        self.store_executor = ThreadPoolExecutor(spec.store_threads, thread_name_prefix="hiradix-store")
         self.stop = threading.Event()  # set by Shutdown: cuts fault delays short
         self.lock = threading.Lock()  # guards in_flight
         self.in_flight: set[int] = set()  # job ids taken in and not yet answered
@@ -161,7 +178,7 @@ class Worker:
         if isinstance(msg, Ping):
             self.replies.put(Pong(seq=msg.seq))
             return
-        reason = validate_job(msg, self.spec.num_dram_pages, self.spec.num_nvme_slots)
+        reason = validate_job(msg, self.spec.num_dram_pages, self.spec.num_nvme_slots, self.cluster is not None)
         with self.lock:
             if not reason and msg.job_id in self.in_flight:
                 reason = f"job_id {msg.job_id} is already in flight"
@@ -171,8 +188,11 @@ class Worker:
             logger.warning("rejected job %d: %s", msg.job_id, reason)
             self.replies.put(Rejected(job_id=msg.job_id, reason=reason))
             return
-        plan = self.faults.on_arrival(msg)  # may crash or truncate the file (fault switch)
-        future = self.executor.submit(self._run, msg, plan)
+        if isinstance(msg, (PutStore, GetStore, QueryStore)):
+            future = self.store_executor.submit(self._run_store, msg)
+        else:
+            plan = self.faults.on_arrival(msg)  # may crash or truncate the file (fault switch)
+            future = self.executor.submit(self._run, msg, plan)
         future.add_done_callback(lambda f, job=msg: self._reply(job, f))
 
     # ---- jobs (pool threads) -----------------------------------------------------------------
@@ -202,6 +222,27 @@ class Worker:
                 duration_s=time.monotonic() - start_s,
             )
 
+    def _run_store(self, job: PutStore | GetStore | QueryStore) -> JobDone:
+        """One cluster-store job; the backend turns store errors into per-key False (a miss).
+        A backend that raises fails the job as a whole (``error`` set)."""
+        start_s = time.monotonic()
+        n = job_pages(job)
+        try:
+            if isinstance(job, QueryStore):
+                ok = self.cluster.exists(list(job.keys))
+            else:
+                views = [self.pool.page_view(p) for p in job.dram_pages]
+                move = self.cluster.put if isinstance(job, PutStore) else self.cluster.get
+                ok = move(list(job.keys), views)
+            ok = [bool(x) for x in ok]
+            if len(ok) != n:
+                raise RuntimeError(f"store returned {len(ok)} flags for {n} keys")
+            return JobDone(job_id=job.job_id, ok=ok, duration_s=time.monotonic() - start_s)
+        except Exception as exc:  # noqa: BLE001 - a store failure must not take the worker down
+            logger.warning("store job %d failed: %s: %s", job.job_id, type(exc).__name__, exc)
+            return JobDone(job_id=job.job_id, ok=[False] * n, error=f"{type(exc).__name__}: {exc}",
+                           duration_s=time.monotonic() - start_s)
+
     def _reply(self, job: Job, future: Future) -> None:
         """Done-callback: send the job's ``JobDone`` (a cancelled job fails)."""
         if future.cancelled():
@@ -219,10 +260,23 @@ class Worker:
         """Stop the pool (waiting for running jobs if ``graceful``), close the sockets and tiers."""
         self.stop.set()
         self.executor.shutdown(wait=graceful, cancel_futures=True)
+        self.store_executor.shutdown(wait=graceful, cancel_futures=True)
         self.requests.close()
         if graceful:
-            self.store.close()
+            if self.store is not None:
+                self.store.close()
+            if self.cluster is not None:
+                self.cluster.close()
             self.pool.close()
+
+
+def _open_cluster_store(spec: WorkerSpec, pool: DramPool):
+    """The spec's cluster-store backend, with the DRAM arena registered for zero-copy transfers."""
+    from hiradix.tiers.store import StoreConfig, make_backend
+
+    backend = make_backend(spec.store_backend, StoreConfig.parse(spec.store_config, "--hiradix-store-config"))
+    backend.register(pool.tensor.data_ptr(), pool.dram_bytes)
+    return backend
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

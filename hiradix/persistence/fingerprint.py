@@ -15,6 +15,8 @@ directory) is identified by id and revision.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -22,6 +24,7 @@ from typing import Optional
 import xxhash
 
 import hiradix
+from hiradix.core.keys import HASH_NAME
 from hiradix.dataplane.layout import KVLayout
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -85,5 +88,24 @@ def kv_fingerprint(
         "tp_size": str(tp_size),
         "slot_bytes": str(slot_bytes),
         "hiradix_version": hiradix.__version__,
+        "page_hash": HASH_NAME,
         "byte_order": sys.byteorder,
     }
+
+
+STORE_FORMAT = "hiradix-store-v1"  # object layout in the cluster store: page payload + checksum trailer
+
+
+def store_key_prefix(model_id: str, model_dtype: str, layout: KVLayout, tp_rank: int, tp_size: int) -> str:
+    """The cluster store's key prefix for this rank's KV: ``hiradix/<digest>/``.
+
+    The digest (16 hex digits of SHA-256) covers what :func:`kv_fingerprint` covers except the
+    NVMe slot size and the hiradix version (servers of other versions share KV when the object
+    format is the same, ``STORE_FORMAT``), so a different model, dtype, page size, layout or TP
+    shard never reads another's objects.
+    """
+    fp = kv_fingerprint(model_id, model_dtype, layout, tp_rank, tp_size, slot_bytes=0)
+    del fp["slot_bytes"], fp["hiradix_version"]
+    fp["store_format"] = STORE_FORMAT
+    digest = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
+    return f"hiradix/{digest}/"

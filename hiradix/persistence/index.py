@@ -83,18 +83,11 @@ class Free(msgspec.Struct, tag="free", frozen=True):
     slots: list[int]
 
 
+from hiradix.core.keys import page_hash  # noqa: E402 - the one chain hash (also the store's keys)
+
 Record = Union[Header, Put, Free]
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Record)
-
-
-def page_hash(parent_hash: bytes, namespace: Optional[Sequence], tokens: Sequence[int]) -> bytes:
-    """16-byte identity of a page given its prefix: ``xxh3_128(parent, namespace, tokens)``."""
-    h = xxhash.xxh3_128()
-    h.update(parent_hash)
-    h.update(msgspec.msgpack.encode(list(namespace) if namespace is not None else None))
-    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
-    return h.digest()
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from typing import Optional, Sequence
 from hiradix.core.ledger import TierBooks
 from hiradix.core.node import TreeNode
 from hiradix.core.tree import TieredRadixTree
-from hiradix.persistence.index import NvmeIndex, Page, page_hash
+from hiradix.core.keys import page_tokens, prefix_hash
+from hiradix.persistence.index import NvmeIndex, Page
 
 logger = logging.getLogger(__name__)
 
@@ -51,23 +52,11 @@ class IndexJournal:
         self.landed.append(node)
 
     def _pages(self, node: TreeNode) -> list:
-        ps = self.tree.page_size
-        return [node.tokens[i : i + ps] for i in range(0, node.num_tokens, ps)]
+        return page_tokens(node.tokens, self.tree.page_size)
 
     def _parent_hash(self, node: TreeNode) -> bytes:
-        """Chain hash of the prefix above ``node``: hashes only the pages below the nearest
-        ancestor whose ``chain_hash`` is cached (and caches them on the way down)."""
-        above = []
-        parent = node.parent
-        while parent is not self.tree.root and parent.chain_hash is None:
-            above.append(parent)
-            parent = parent.parent
-        h = b"" if parent is self.tree.root else parent.chain_hash
-        for ancestor in reversed(above):
-            for tokens in self._pages(ancestor):
-                h = page_hash(h, node.namespace, tokens)
-            ancestor.chain_hash = h
-        return h
+        """Chain hash of the prefix above ``node`` (cached on the nodes, :mod:`hiradix.core.keys`)."""
+        return prefix_hash(self.tree.root, node.parent, self.tree.page_size)
 
 
 def restore(tree: TieredRadixTree, books: TierBooks, pages: list[Page]) -> int:

@@ -20,13 +20,14 @@ import torch
 
 from hiradix.core.controller import TierController
 from hiradix.core.ledger import TierBooks
+from hiradix.core.store_tier import STORE_RETRY_S
 from hiradix.core.tree import TieredRadixTree
 from hiradix.dataplane.layerwise import LayerwiseLoader
 from hiradix.dataplane.layout import KVLayout
 from hiradix.dataplane.movers import HostMover
 from hiradix.io.client import IOWorkerClient
 from hiradix.io.protocol import WorkerSpec
-from hiradix.persistence.fingerprint import kv_fingerprint
+from hiradix.persistence.fingerprint import kv_fingerprint, store_key_prefix
 from hiradix.persistence.index import INDEX_FILE_NAME, NvmeIndex
 from hiradix.persistence.journal import IndexJournal, restore
 from hiradix.runtime.rank_sync import RankSync
@@ -37,27 +38,32 @@ from hiradix.tiers.nvme import NVME_FILE_NAME, NvmeStore, slot_bytes_for
 logger = logging.getLogger(__name__)
 
 
-def start_worker(dram: DramPool, nvme_dir: Path, nvme_slots: int, shm_dir: Path, io_backend: str,
-                 keep: bool = False) -> IOWorkerClient:
-    """Create (``keep``: reuse) the NVMe slot file and spawn this rank's I/O worker over it.
+def start_worker(dram: DramPool, nvme_dir: Optional[Path], nvme_slots: int, shm_dir: Path, io_backend: str,
+                 keep: bool = False, store_backend: str = "", store_config: str = "") -> IOWorkerClient:
+    """Create (``keep``: reuse) the NVMe slot file and spawn this rank's I/O worker over it and
+    over the cluster store (``store_backend``), either of which may be absent.
 
     Raises:
         OSError: the slot file cannot be created.
-        hiradix.io.client.WorkerStartError: the worker did not start.
+        hiradix.io.client.WorkerStartError: the worker did not start (e.g. the store is unreachable).
     """
-    store = NvmeStore.create(nvme_dir, dram.layout.page_bytes, nvme_slots, backend=io_backend, keep=keep)
-    backend = store.backend
-    store.close()  # the worker owns NVMe I/O; this process only created the file
+    backend = io_backend
+    if nvme_slots > 0:
+        store = NvmeStore.create(nvme_dir, dram.layout.page_bytes, nvme_slots, backend=io_backend, keep=keep)
+        backend = store.backend
+        store.close()  # the worker owns NVMe I/O; this process only created the file
     spec = WorkerSpec(
         dram_path=str(dram.path),
         layout=dram.layout.to_json(),
         num_dram_pages=dram.num_pages,
-        nvme_dir=str(nvme_dir),
+        nvme_dir=str(nvme_dir or ""),
         num_nvme_slots=nvme_slots,
         page_bytes=dram.layout.page_bytes,
         io_backend=backend,
         socket_dir=str(shm_dir / "sock"),
         parent_pid=os.getpid(),
+        store_backend=store_backend,
+        store_config=store_config,
     )
     client = IOWorkerClient(spec)
     client.start()
@@ -117,6 +123,7 @@ def build_tiers(
     tp_group: Optional[Any] = None,
     identity: Optional[dict] = None,
     counter_factory: Optional[Callable[[int], Any]] = None,
+    store_retry_s: float = STORE_RETRY_S,
 ) -> tuple[TierController, LayerwiseLoader]:
     """The real tiers of one scheduler process, and the layer-wise loader to register.
 
@@ -130,9 +137,10 @@ def build_tiers(
         io_backend: NVMe backend for the worker ("auto", "posix", "kvikio").
         tp_group: TP CPU process group (None for one rank); completions are agreed over it.
         identity: ``model_id``, ``model_dtype`` and ``tp_size`` for the NVMe index's
-            fingerprint (:mod:`hiradix.persistence.fingerprint`); None: the NVMe tier starts
-            empty and is not persisted.
+            fingerprint and the cluster store's keys (:mod:`hiradix.persistence.fingerprint`);
+            None: the NVMe tier starts empty and is not persisted (a store needs it).
         counter_factory: CUDA only: SGLang's ``LayerDoneCounter`` (see ``LayerwiseLoader``).
+        store_retry_s: first wait before a switched-off cluster store is tried again.
 
     Raises:
         OSError, PermissionError: a tier's files cannot be created.
@@ -145,14 +153,21 @@ def build_tiers(
     remove_stale_dirs(shm_dir)
     ensure_private_dir(shm_dir)  # 0700: it holds the worker's socket directory
     dram = DramPool.create_anonymous(layout, dram_pages)
-    client, nvme_slots, lock_fd, index, pages = None, 0, -1, None, []
+    client, nvme_dir, nvme_slots, lock_fd, index, pages = None, None, 0, -1, None, []
     if config.nvme_bytes > 0:
         nvme_slots = config.nvme_bytes // slot_bytes_for(layout.page_bytes)
         nvme_dir = Path(config.nvme_path) / f"hiradix-rank{tp_rank}"
         lock_fd = lock_dir(nvme_dir)  # also makes it private (0700)
         if identity is not None:
             index, pages = _open_index(nvme_dir, identity, layout, tp_rank, nvme_slots, page_size)
-        client = start_worker(dram, nvme_dir, nvme_slots, shm_dir, io_backend, keep=index is not None and index.reused)
+    key_prefix = None
+    if config.has_store_tier:
+        if identity is None:
+            raise ValueError("the cluster store needs the model identity for its keys")
+        key_prefix = store_key_prefix(identity["model_id"], identity["model_dtype"], layout, tp_rank, identity["tp_size"])
+    if nvme_slots > 0 or key_prefix is not None:
+        client = start_worker(dram, nvme_dir, nvme_slots, shm_dir, io_backend, keep=index is not None and index.reused,
+                              store_backend=config.store_backend or "", store_config=config.store_config)
     books = TierBooks(tree, dram_pages, nvme_slots)
     loader = LayerwiseLoader(layout.num_layers, kv_pool.k_buffer[0].device, counter_factory)
     mover = HostMover(kv_pool, dram, loader)
@@ -160,7 +175,8 @@ def build_tiers(
     journal = IndexJournal(index, tree) if index is not None else None
     tiers = TierController(tree, books, mover, client, layout.page_bytes, config.write_policy == "write_through",
                            sync=RankSync(tp_group) if multi_rank else None, journal=journal,
-                           dram_staging=config.dram_mode == "staging")
+                           store_key_prefix=key_prefix, store_write_policy=config.store_write_policy,
+                           store_retry_s=store_retry_s, dram_staging=config.dram_mode == "staging")
     tiers.on_close(dram.close)
     tiers.on_close(lambda: shutil.rmtree(shm_dir, ignore_errors=True))
     if index is not None:
@@ -168,5 +184,7 @@ def build_tiers(
         tiers.on_close(index.close)
     if lock_fd >= 0:
         tiers.on_close(lambda: os.close(lock_fd))
-    logger.info("hiradix tiers: DRAM %d pages (%d B each) at %s; NVMe %d slots", dram_pages, layout.page_bytes, dram.path, nvme_slots)
+    logger.info("hiradix tiers: DRAM %d pages (%d B each) at %s; NVMe %d slots; cluster store %s",
+                dram_pages, layout.page_bytes, dram.path, nvme_slots,
+                f"{config.store_backend} (keys {key_prefix}*)" if key_prefix else "off")
     return tiers, loader

@@ -25,8 +25,11 @@ from typing import Any, Optional
 from hiradix.core.ledger import Kind
 from hiradix.core.stats import PREFETCH_OUTCOMES, STORAGE_HIT_READS
 
-TIERS = ("HBM", "DRAM", "NVMe")  # label values of `tier`, fastest first (core Tier order)
-KINDS = tuple(k.name for k in Kind)  # BACKUP, PROMOTE, DEMOTE, PREFETCH
+TIERS = ("HBM", "DRAM", "NVMe", "store")  # label values of `tier`, fastest first (core Tier order)
+KINDS = tuple(k.name for k in Kind)  # BACKUP, PROMOTE, DEMOTE, PREFETCH, PUT, GET
+STORE_OPS = ("lookup", "found", "put", "put_failed", "get", "get_failed")  # StoreTier.counts, in pages
+_STORE_COUNT = {"lookup": "lookup_pages", "found": "lookup_found_pages", "put": "put_pages",
+                "put_failed": "put_failed_pages", "get": "get_pages", "get_failed": "get_failed_pages"}
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,10 @@ SERIES: tuple[Series, ...] = (
     Series("sglang:hiradix_protected_nodes", "gauge", "Tree nodes queued requests need (demoted last)"),
     Series("sglang:hiradix_nvme_enabled", "gauge", "1 while the NVMe tier takes copies, 0 when absent or switched off"),
     Series("sglang:hiradix_nvme_restored_pages", "gauge", "NVMe pages re-indexed from the durable index at start"),
+    Series("sglang:hiradix_store_pages_total", "counter", "Cluster-store pages by operation", "op", STORE_OPS),
+    Series("sglang:hiradix_store_used_tokens_total", "counter", "Tokens read from the cluster store and promoted to HBM"),
+    Series("sglang:hiradix_store_switch_offs_total", "counter", "Times the cluster store was switched off after failures"),
+    Series("sglang:hiradix_store_enabled", "gauge", "1 while the cluster store is in use, 0 when absent or switched off"),
 )  # fmt: skip
 SERIES_BY_NAME = {s.name: s for s in SERIES}
 
@@ -71,12 +78,12 @@ class TierMetrics:
         page_size: tokens per page.
         page_bytes: bytes per page (all layers, K and V).
         capacity_pages: pages per tier, in :data:`TIERS` order (HBM: the device pool's pages;
-            0 for a tier that is absent).
+            0 for a tier that is absent, and for the cluster store, whose size is the store's).
         registry: the prometheus_client registry (default: the process's, which SGLang's
             multiprocess collector reads); tests pass their own.
     """
 
-    def __init__(self, labels: dict[str, Any], page_size: int, page_bytes: int, capacity_pages: tuple[int, int, int],
+    def __init__(self, labels: dict[str, Any], page_size: int, page_bytes: int, capacity_pages: tuple[int, ...],
                  registry: Any = None):
         from prometheus_client import REGISTRY, Counter, Gauge
 
@@ -116,8 +123,13 @@ class TierMetrics:
             self.metric[name].labels(**self._labels(SERIES_BY_NAME[name], label_value)).inc(delta)
         self._seen[key] = total
 
-    def update(self, stats: Any, books: Any, tier_tokens: list[int], view: Optional[Any]) -> None:
-        """Advance counters to the cumulative values in ``stats``/``books``; set gauges."""
+    def update(self, stats: Any, books: Any, tier_tokens: list[int], view: Optional[Any], store: Optional[Any] = None) -> None:
+        """Advance counters to the cumulative values in ``stats``/``books``/``store``; set gauges.
+
+        Args:
+            store: the cluster-store tier (``hiradix.core.store_tier.StoreTier``), or None.
+        """
+        self._update_store(store, stats)
         for kind, value in stats.bytes_moved.items():
             self._advance("sglang:hiradix_moved_bytes_total", value, kind)
             self._advance("sglang:hiradix_moved_tokens_total", value // self.page_bytes * self.page_size, kind)
@@ -142,3 +154,11 @@ class TierMetrics:
             self._set("sglang:hiradix_lookahead_window_requests", view.window)
             self._set("sglang:hiradix_prefetch_window_requests", view.prefetch_window)
             self._set("sglang:hiradix_protected_nodes", view.protected_nodes)
+
+    def _update_store(self, store: Optional[Any], stats: Any) -> None:
+        if store is not None:
+            for op in STORE_OPS:
+                self._advance("sglang:hiradix_store_pages_total", store.counts[_STORE_COUNT[op]], op)
+            self._advance("sglang:hiradix_store_switch_offs_total", store.counts["switch_offs"])
+        self._advance("sglang:hiradix_store_used_tokens_total", stats.store_tokens["used"])
+        self._set("sglang:hiradix_store_enabled", int(store is not None and store.enabled))

@@ -34,6 +34,8 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from hiradix.core.lookahead import QueueView
 from hiradix.core.policy import make_policy
 from hiradix.core.prefix_cache import TieredPrefixCache
+from hiradix.core.store_tier import STORE_RETRY_S
+from hiradix.core.node import Tier
 from hiradix.core.tree import TieredRadixTree, TreeNode
 
 if TYPE_CHECKING:
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CHECK_INTEGRITY_ENV = "HIRADIX_CHECK_INTEGRITY"  # "1": prove the invariants after every step (slow)
+STORE_RETRY_ENV = "HIRADIX_STORE_RETRY_S"  # seconds before a switched-off cluster store is tried again
 
 
 def namespace_of(key: RadixKey) -> Optional[tuple]:
@@ -121,6 +124,7 @@ class TieredRadixCache(BasePrefixCache):
             self.tiers, self.loader = build_tiers(
                 self.tree, config, kv_pool, self.page_size, tp_rank, tp_group=params.tp_cache_group,
                 identity=identity, counter_factory=counter_factory,
+                store_retry_s=float(os.environ.get(STORE_RETRY_ENV, STORE_RETRY_S)),
             )
         self.core = TieredPrefixCache(
             self.tree, SGLangDevicePool(self.token_to_kv_pool_allocator, self.device), self.tiers,
@@ -148,7 +152,7 @@ class TieredRadixCache(BasePrefixCache):
         labels.update(get_observability().extra_metric_labels or {})
         books = self.tiers.books
         pages = (self.token_to_kv_pool_allocator.size // self.page_size, books.dram.capacity,
-                 books.nvme.capacity if books.nvme is not None else 0)
+                 books.nvme.capacity if books.nvme is not None else 0, 0)  # the store's size is not ours
         return TierMetrics(labels, self.page_size, self.tiers.page_bytes, pages)
 
     @property
@@ -210,13 +214,16 @@ class TieredRadixCache(BasePrefixCache):
             since the match or device memory cannot be found (the request recomputes).
         """
         req = params.req
-        loaded, from_nvme, node = self.core.load_back(req.last_node, params.best_match_node, params.host_hit_length)
-        if loaded:
+        back = self.core.load_back(req.last_node, params.best_match_node, params.host_hit_length)
+        if back.loaded:
             # SGLang splits the host hit into host + storage by these (split_cached_prefix_by_tier):
-            # storage = tokens whose DRAM copy was read up from NVMe for this request.
-            req.storage_hit_length = from_nvme
+            # storage = tokens whose DRAM copy was read up from NVMe or the cluster store for this
+            # request, whether the look-ahead window read them early or the request waited.
+            storage = {"nvme": back.read_from[Tier.NVME], self.config.store_backend: back.read_from[Tier.STORE]}
+            req.storage_hit_length = sum(storage.values())
             req.storage_hit_start = None
-        return loaded, node
+            req.hiradix_storage_backend = ",".join(f"{name}={n}" for name, n in storage.items() if n) or None
+        return back.loaded, back.node
 
     def ready_to_load_host_cache(self) -> int:
         """Start the promotions queued while building this batch; returns its consumer index."""
@@ -226,7 +233,8 @@ class TieredRadixCache(BasePrefixCache):
         """Per scheduler step: reap finished copies and worker acks, keep DRAM headroom."""
         self.core.step()
         if self.tier_metrics is not None and self.tiers is not None:
-            self.tier_metrics.update(self.tiers.stats, self.tiers.books, self.tree.tier_tokens, self.core.last_view)
+            self.tier_metrics.update(self.tiers.stats, self.tiers.books, self.tree.tier_tokens, self.core.last_view,
+                                     store=self.tiers.store)
 
     def observe_queue(self, waiting_queue: list) -> Optional[QueueView]:
         """Look-ahead over the first W waiting requests (policies that use the queue)."""
@@ -329,7 +337,7 @@ def create_hiradix_cache(ctx: TreeCacheBuildContext) -> TieredRadixCache:
     config = config_from_server_args(ctx.server_args)
     kv_pool = ctx.tp_worker.model_runner.token_to_kv_pool
     identity = None
-    if config.nvme_bytes > 0:
+    if config.nvme_bytes > 0 or config.has_store_tier:
         from hiradix.persistence.fingerprint import model_identity
 
         args = ctx.server_args

@@ -28,6 +28,7 @@ from hiradix.sglang_plugin.refusals import (
     given_hicache_flag,
     refuse,
     refuse_tiers_below_one_page,
+    refuse_unreachable_store,
 )
 
 logger = logging.getLogger(__name__)
@@ -152,6 +153,8 @@ def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -
         check_machine(config, ranks_on_this_node=_ranks_on_this_node(result))
     except HiRadixConfigError as e:
         refuse(str(e))
+    if config.has_store_tier:
+        refuse_unreachable_store(config)
 
     setattr(result, CONFIG_ATTR, config)
     result.radix_cache_backend = BACKEND_NAME

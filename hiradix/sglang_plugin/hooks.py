@@ -122,6 +122,13 @@ HOOKS: tuple[HookSpec, ...] = (
         purpose="start the batch's layer-wise DRAM -> HBM loads (hicache_consumer_index)",
     ),
     HookSpec(
+        target="sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.get_cached_tokens_details",
+        hook="hiradix.sglang_plugin.sched_hooks:after_get_cached_tokens_details",
+        hook_type="after",
+        scope=Scope.SCHEDULER,
+        purpose="name where a request's storage hits came from (NVMe, the cluster store) in storage_backend",
+    ),
+    HookSpec(
         target="sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
         hook="hiradix.sglang_plugin.sched_hooks:around_add_one_req",
         hook_type="around",

@@ -101,9 +101,10 @@ HICACHE_EQUIVALENTS: dict[str, str] = {
     "hicache_write_policy": "--hiradix-write-policy (write_through | write_back)",
     "hicache_io_backend": "nothing: hiradix copies HBM <-> DRAM itself, layer by layer",
     "hicache_mem_layout": "nothing: hiradix keeps DRAM and NVMe pages in its own paged layout",
-    "hicache_storage_backend": "--hiradix-nvme-path and --hiradix-nvme-gb (an NVMe tier of the tree)",
-    "hicache_storage_backend_extra_config": "--hiradix-nvme-path and --hiradix-nvme-gb",
-    "hicache_storage_prefetch_policy": "--hiradix-load-timeout-s (how long admission waits for NVMe reads)",
+    "hicache_storage_backend": "--hiradix-nvme-path and --hiradix-nvme-gb (an NVMe tier of the tree), "
+                               "or --hiradix-store (a cluster store shared by the servers)",
+    "hicache_storage_backend_extra_config": "--hiradix-store-config (with --hiradix-store)",
+    "hicache_storage_prefetch_policy": "--hiradix-load-timeout-s (how long admission waits for NVMe or store reads)",
     "hicache_storage_prefetch_retry_poll_interval": "--hiradix-load-timeout-s",
     "hicache_storage_prefetch_retry_max_attempts": "--hiradix-load-timeout-s",
 }
@@ -128,6 +129,18 @@ def given_hicache_flag(server_args: Any) -> tuple[str, Any, str] | None:
         if value != defaults[field]:
             return "--" + field.replace("_", "-"), value, equivalent
     return None
+STORE_PROBE_TIMEOUT_S = 10.0  # the launcher waits at most this long to reach the cluster store
+
+
+def refuse_unreachable_store(config: HiRadixConfig) -> None:
+    """Refuse a cluster store that cannot be reached (or whose client does not load), before
+    the model loads, naming ``--hiradix-store-config``."""
+    from hiradix.tiers.store import StoreConfig, probe_backend
+
+    flag = FLAG_OF_FIELD["store_config"]
+    reason = probe_backend(config.store_backend, StoreConfig.parse(config.store_config, flag), STORE_PROBE_TIMEOUT_S)
+    if reason is not None:
+        refuse(f"{FLAG_OF_FIELD['store_backend']} {config.store_backend}: the store of {flag} is unusable: {reason}")
 
 
 def refuse_tiers_below_one_page(config: HiRadixConfig, hf_config: dict, server_args: Any, page_size: int) -> None:

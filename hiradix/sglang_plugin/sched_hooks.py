@@ -50,3 +50,12 @@ def around_add_one_req(original: Any, adder: Any, req: Any, *args: Any, **kwargs
 
         return AddReqResult.CONTINUE
     return original(adder, req, *args, **kwargs)
+
+
+def after_get_cached_tokens_details(result: Any, streamer: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """Set ``storage_backend`` of a request's ``cached_tokens_details`` to where its storage hits
+    came from, e.g. ``"nvme=160,mooncake=320"`` (tokens per source; ``storage`` is their sum)."""
+    label = getattr(req, "hiradix_storage_backend", None)
+    if result is None or not label:
+        return None
+    return {**result, "storage_backend": label}

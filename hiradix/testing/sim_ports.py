@@ -20,12 +20,13 @@ only (no tensors, no files, no processes):
 from __future__ import annotations
 
 import heapq
-from typing import Optional, Sequence
+from collections import OrderedDict
+from typing import Any, Optional, Sequence
 
 from hiradix.core.controller import TierController
 from hiradix.core.ledger import Kind, TierBooks, Transfer
 from hiradix.core.tree import TieredRadixTree
-from hiradix.io.protocol import JobDone, LoadPages, StorePages
+from hiradix.io.protocol import GetStore, JobDone, LoadPages, PutStore, QueryStore, StorePages
 
 
 class SimClock:
@@ -164,36 +165,79 @@ class SimHostMover:
         self._pending.clear()
 
 
+class SimStore:
+    """A cluster store shared by simulated servers: which keys it holds (no bytes), LRU-bounded.
+
+    Args:
+        capacity_pages: objects it holds at most (the least recently used go first); None: all.
+    """
+
+    def __init__(self, capacity_pages: Optional[int] = None):
+        self.capacity_pages = capacity_pages
+        self._keys: OrderedDict[str, None] = OrderedDict()
+        self.puts = self.gets = self.hits = 0
+
+    def put(self, key: str) -> None:
+        self.puts += 1
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        if self.capacity_pages is not None:
+            while len(self._keys) > self.capacity_pages:
+                self._keys.popitem(last=False)
+
+    def has(self, key: str, touch: bool = False) -> bool:
+        found = key in self._keys
+        if found and touch:
+            self._keys.move_to_end(key)
+        return found
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+# Channels of SimIOClient: NVMe reads, NVMe writes, store reads (get, exists), store writes.
+_CHANNELS = ("nvme_read", "nvme_write", "store_read", "store_write")
+
+
 class SimIOClient:
     """The ``IOClient`` port on a virtual clock (real one: :class:`hiradix.io.client.IOWorkerClient`).
 
-    A job's pages are served one after the other on its channel (``LoadPages`` on the read
-    channel, ``StorePages`` on the write channel), each channel FIFO: a job submitted at
-    ``t`` completes at ``max(t, channel free) + pages * s_per_page``. Every page succeeds.
+    A job's pages are served one after the other on its channel (NVMe reads, NVMe writes, store
+    reads, store writes), each channel FIFO: a job submitted at ``t`` completes at
+    ``max(t, channel free) + pages * s_per_page``. NVMe pages always succeed; a store GET page
+    succeeds if the shared :class:`SimStore` holds its key when the job completes, an exists
+    query reports what it holds then, and a PUT lands its keys then.
 
     Args:
         clock: the shared virtual clock.
         read_s_per_page: NVMe -> DRAM service time of one page, in seconds.
         write_s_per_page: DRAM -> NVMe service time of one page, in seconds.
+        store: the cluster store shared with other simulated servers, or None.
+        store_read_s_per_page, store_write_s_per_page: store GET / PUT time per page, in seconds.
+        store_query_s: time of one exists query, in seconds.
     """
 
-    def __init__(self, clock: SimClock, read_s_per_page: float, write_s_per_page: float):
+    def __init__(self, clock: SimClock, read_s_per_page: float, write_s_per_page: float, store: Optional[SimStore] = None,
+                 store_read_s_per_page: float = 0.0, store_write_s_per_page: float = 0.0, store_query_s: float = 0.0):
         self.clock = clock
-        self.s_per_page = {LoadPages: read_s_per_page, StorePages: write_s_per_page}
-        self._busy_until_s = {LoadPages: 0.0, StorePages: 0.0}
-        self._jobs: list[tuple[float, int, int]] = []  # heap of (done at s, job id, pages)
+        self.store = store
+        self.s_per_page = dict(zip(_CHANNELS, (read_s_per_page, write_s_per_page, store_read_s_per_page, store_write_s_per_page)))
+        self.store_query_s = store_query_s
+        self._busy_until_s = dict.fromkeys(_CHANNELS, 0.0)
+        self._jobs: list[tuple[float, int, Any]] = []  # heap of (done at s, job id, job)
         self.disabled = False
-        self.pages_done = {LoadPages: 0, StorePages: 0}
+        self.pages_done = dict.fromkeys(_CHANNELS, 0)
+
+    def _queue(self, channel: str, job: Any, pages: int, fixed_s: float = 0.0) -> None:
+        start_s = max(self.clock(), self._busy_until_s[channel])
+        done_s = start_s + fixed_s + pages * self.s_per_page[channel]
+        self._busy_until_s[channel] = done_s
+        heapq.heappush(self._jobs, (done_s, job.job_id, job))
+        self.pages_done[channel] += pages
 
     def submit(self, job: LoadPages | StorePages) -> None:
-        """Queue ``job`` on its channel; its ``JobDone`` comes from :meth:`poll` when due."""
-        kind = type(job)
-        pages = len(job.dram_pages)
-        start_s = max(self.clock(), self._busy_until_s[kind])
-        done_s = start_s + pages * self.s_per_page[kind]
-        self._busy_until_s[kind] = done_s
-        heapq.heappush(self._jobs, (done_s, job.job_id, pages))
-        self.pages_done[kind] += pages
+        """Queue an NVMe ``job`` on its channel; its ``JobDone`` comes from :meth:`poll` when due."""
+        self._queue("nvme_read" if isinstance(job, LoadPages) else "nvme_write", job, len(job.dram_pages))
 
     def submit_store(self, job_id: int, dram_pages: Sequence[int], nvme_slots: Sequence[int]) -> None:
         """Queue a DRAM -> NVMe store on the write channel."""
@@ -203,12 +247,37 @@ class SimIOClient:
         """Queue an NVMe -> DRAM load on the read channel."""
         self.submit(LoadPages(job_id, list(nvme_slots), list(dram_pages)))
 
+    def submit_put(self, job_id: int, dram_pages: Sequence[int], keys: Sequence[str]) -> None:
+        """Queue a DRAM -> store PUT on the store's write channel."""
+        self._queue("store_write", PutStore(job_id, list(dram_pages), list(keys)), len(keys))
+
+    def submit_get(self, job_id: int, keys: Sequence[str], dram_pages: Sequence[int]) -> None:
+        """Queue a store -> DRAM GET on the store's read channel."""
+        self._queue("store_read", GetStore(job_id, list(keys), list(dram_pages)), len(keys))
+
+    def submit_exists(self, job_id: int, keys: Sequence[str]) -> None:
+        """Queue an exists query (``store_query_s``) on the store's read channel."""
+        self._queue("store_read", QueryStore(job_id, list(keys)), 0, fixed_s=self.store_query_s)
+
+    def _finish(self, job: Any) -> JobDone:
+        if isinstance(job, (LoadPages, StorePages)):
+            return JobDone(job_id=job.job_id, ok=[True] * len(job.dram_pages))
+        if isinstance(job, PutStore):
+            for key in job.keys:
+                self.store.put(key)
+            return JobDone(job_id=job.job_id, ok=[True] * len(job.keys))
+        found = [self.store.has(k, touch=isinstance(job, GetStore)) for k in job.keys]
+        if isinstance(job, GetStore):
+            self.store.gets += len(found)
+            self.store.hits += sum(found)
+        return JobDone(job_id=job.job_id, ok=found)
+
     def poll(self) -> list[JobDone]:
         """Jobs whose completion time has passed on the virtual clock."""
         now, done = self.clock(), []
         while self._jobs and self._jobs[0][0] <= now:
-            _, job_id, pages = heapq.heappop(self._jobs)
-            done.append(JobDone(job_id=job_id, ok=[True] * pages))
+            _, _, job = heapq.heappop(self._jobs)
+            done.append(self._finish(job))
         return done
 
     def wait(self, timeout_s: float) -> list[JobDone]:
@@ -245,6 +314,12 @@ def simulated_controller(
     clock: SimClock,
     read_s_per_page: float = 0.0,
     write_s_per_page: float = 0.0,
+    store: Optional[SimStore] = None,
+    store_key_prefix: str = "sim/",
+    store_write_policy: str = "write_through",
+    store_read_s_per_page: float = 0.0,
+    store_write_s_per_page: float = 0.0,
+    store_query_s: float = 0.0,
     write_selective: bool = False,
     dram_staging: bool = False,
 ) -> TierController:
@@ -253,18 +328,28 @@ def simulated_controller(
     Args:
         tree: the tree whose nodes move.
         dram_pages: DRAM tier capacity, in pages.
-        nvme_slots: NVMe tier capacity, in pages (0 = no NVMe tier, no I/O client).
+        nvme_slots: NVMe tier capacity, in pages (0 = no NVMe tier).
         page_bytes: bytes of one page (all layers), for the controller's counters.
         write_through: back up to DRAM at insert (else at HBM eviction).
         clock: the shared virtual clock.
         read_s_per_page: simulated NVMe read time per page, in seconds.
         write_s_per_page: simulated NVMe write time per page, in seconds.
+        store: a cluster store shared with other simulated servers, or None (no store tier).
+        store_key_prefix: the KV fingerprint part of the store's keys (servers that may share
+            KV use the same prefix).
+        store_write_policy, store_read_s_per_page, store_write_s_per_page, store_query_s: the
+            store tier's write policy and simulated timings.
         write_selective: back up only nodes hit again (``TierController(write_selective=)``).
         dram_staging: DRAM only carries pages in flight (``--hiradix-dram-mode staging``).
     """
     books = TierBooks(tree, dram_pages, nvme_slots)
-    client = SimIOClient(clock, read_s_per_page, write_s_per_page) if nvme_slots > 0 else None
+    client = None
+    if nvme_slots > 0 or store is not None:
+        client = SimIOClient(clock, read_s_per_page, write_s_per_page, store, store_read_s_per_page,
+                             store_write_s_per_page, store_query_s)
     return TierController(tree, books, SimHostMover(), client, page_bytes, write_through, clock=clock,
+                          store_key_prefix=store_key_prefix if store is not None else None,
+                          store_write_policy=store_write_policy,
                           write_selective=write_selective, dram_staging=dram_staging)
 
 
@@ -280,6 +365,7 @@ __all__ = [
     "SimDevicePool",
     "SimHostMover",
     "SimIOClient",
+    "SimStore",
     "simulated_controller",
     "next_event_s",
 ]

@@ -210,8 +210,8 @@ def test_promote_attaches_hbm_and_pins_until_landed():
     assert h.placement.make_room(Tier.DRAM, 3, allow_drop=True) == 0
     h.complete(op.op_id, True)
     h.check()
-    assert x not in h.tree.candidates(Tier.HBM) or x.pinned == [0, 0, 0]
-    assert x.pinned == [0, 0, 0]
+    assert x not in h.tree.candidates(Tier.HBM) or x.pinned == [0, 0, 0, 0]
+    assert x.pinned == [0, 0, 0, 0]
     with pytest.raises(AssertionError):
         h.books.prepare(Kind.PROMOTE, [x], hbm_slots=[1, 2])  # wrong slot count
 
@@ -247,7 +247,7 @@ def test_aborted_prefetch_keeps_the_nvme_copy():
     h.complete(op.op_id, False, aborted=True)
     h.check()
     assert x.alive and x.tiers() == [Tier.NVME] and h.books.dram.num_used == 0
-    assert x.pinned == [0, 0, 0]
+    assert x.pinned == [0, 0, 0, 0]
 
 
 def test_abandon_subtree_quarantines_transfers_in_flight():

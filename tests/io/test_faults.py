@@ -214,7 +214,7 @@ def test_failed_reads_in_a_row_switch_nvme_off_and_a_late_store_is_not_kept(capl
         read(node)
     assert tiers.books.nvme_enabled and not switched_off(caplog)  # 4 in a row: still on
     # a store is in flight (slow) when the 5th failed read in a row switches the tier off
-    io.s_per_page[StorePages] = 10.0
+    io.s_per_page["nvme_write"] = 10.0
     (late,) = dram_only(tree, tiers, [[50, 50]])
     assert tiers.books.in_flight()
     read(nodes[9])

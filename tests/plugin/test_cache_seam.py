@@ -217,7 +217,7 @@ def test_write_through_backup_lands_at_the_next_step(s):
     s.check(request_tokens=4)
     s.cache.check_hicache_events()
     assert s.cache.tiers.books.in_flight() == [] and a.last_node.dram_pages == op.dst_ids
-    assert s.cache.tree.tier_tokens == [12, 12, 0]
+    assert s.cache.tree.tier_tokens == [12, 12, 0, 0]
     assert_dram_holds(s, a.last_node, s.bytes_at(a.slots[:12]))
     assert s.alloc.available_size() == DEVICE_TOKENS - 16  # a backup frees no device slot
     s.check(request_tokens=4)

@@ -294,7 +294,7 @@ def test_valid_config_is_accepted_by_the_launcher(venv_python, cpu_env, cpu_flag
     assert result.hiradix_lines() == []
     assert (
         "hiradix: enabled (policy=lru, write_policy=write_back, dram_bytes=500000000, dram_mode=cache, "
-        f"nvme={nvme} (250000000 bytes), load_timeout_s=3, page_size=16)"
+        f"nvme={nvme} (250000000 bytes), store=off, load_timeout_s=3, page_size=16)"
     ) in result.output
     assert "'radix_cache_backend': 'hiradix'" in result.output
     assert list(nvme.iterdir()) == []  # checking creates nothing

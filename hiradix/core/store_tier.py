@@ -1,0 +1,269 @@
+"""The cluster-store tier's decisions: what to share, what to look up, when the store is off.
+
+The store (Mooncake Store) is shared by every server, so it is the tier that lets a turn routed
+to another server still hit (CachedAttention's AttentionStore, shared by the GPU servers). It is
+recorded per node like the other tiers (``TreeNode.store_keys``), but it is a hint: the store
+may drop an object at any time, so a store copy is confirmed only by a GET that verifies.
+
+* Shares (PUT, DRAM -> store): ``write_through`` puts a node once its KV is in DRAM (a backup or
+  an NVMe read landed), so another server can hit while the first still holds it in HBM;
+  ``write_back`` puts it once it has left HBM (DRAM holds the last fast copy). Bounded in flight.
+* Lookups: when the local match of a prompt ends, the pages that follow are asked for by key
+  (one batched ``exists`` in the I/O worker); the leading run found becomes a store-only child of
+  the last matched node and is fetched into DRAM (GET) before admission. A lookup started at
+  admission makes the request wait, up to the load timeout; the look-ahead window starts them
+  earlier for queued requests.
+* Failures: a failed PUT is dropped (counted); a failed GET is a miss (the ledger forgets that
+  store copy). ``STORE_FAILURES_IN_ROW`` failed store jobs of one direction in a row (PUTs; GETs and lookups
+  that failed as a whole) switch the tier off, with
+  one warning: its records are forgotten and nothing is sent to the store until it is tried
+  again ``STORE_RETRY_S`` later (doubling up to ``STORE_RETRY_MAX_S`` while it keeps failing).
+
+Keys are :mod:`hiradix.core.keys` content addresses: ``key_prefix`` (the KV fingerprint) + the
+page hash, so a different model, page size or TP shard never reuses a key and requests with
+different salts never share one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from hiradix.core.keys import chain, node_hashes, prefix_hash
+from hiradix.core.ledger import Kind, TierBooks
+from hiradix.core.node import Tier, TreeMatch, TreeNode
+from hiradix.core.placement import Placement
+from hiradix.core.ports import IOClient
+from hiradix.core.tree import TieredRadixTree
+
+logger = logging.getLogger(__name__)
+
+STORE_FAILURES_IN_ROW = 5  # failed store jobs in a row before the tier is switched off
+STORE_RETRY_S = 30.0  # first wait before a switched-off store is tried again
+STORE_RETRY_MAX_S = 600.0  # longest wait between tries
+MAX_PUTS_IN_FLIGHT = 32  # PUT jobs in flight, each one node
+MAX_LOOKUP_PAGES = 4096  # pages asked for in one lookup
+# A key whose GET missed is not looked up again until this many more ops were opened: the
+# store's ``exists`` may keep saying "present" after a holder died (Mooncake: ~10 s), and a
+# lookup -> GET -> miss loop would keep a request waiting past its deadline. Op ids advance the
+# same on every TP rank, so the ranks skip the same lookups.
+MISS_HOLD_OPS = 1024
+MAX_MISSED_KEYS = 4096
+WRITE_POLICIES = ("write_through", "write_back")
+
+
+@dataclass(eq=False)
+class Lookup:
+    """One ``exists`` query in flight: the pages after ``parent`` that another server may hold."""
+
+    op_id: int
+    parent: TreeNode  # the last node of the local match
+    tokens: list[int]  # whole pages after it, at most MAX_LOOKUP_PAGES
+    namespace: Optional[tuple]
+    keys: list[str]  # one per page
+    first_hash: bytes  # page hash of the first page: identifies the lookup
+
+
+class StoreTier:
+    """Decides the cluster store's PUTs, lookups and on/off state for one tree (one TP rank).
+
+    Args:
+        tree: the tree.
+        books: its ledger (PUT/GET transfers, op ids).
+        placement: makes DRAM room for GETs.
+        client: the I/O client that runs store jobs in the worker.
+        key_prefix: prepended to each page hash (names the KV fingerprint).
+        write_policy: ``write_through`` or ``write_back`` (see the module docstring).
+        clock: monotonic seconds.
+        retry_s: first wait before a switched-off store is tried again (``STORE_RETRY_S``).
+
+    Raises:
+        ValueError: unknown ``write_policy``.
+    """
+
+    def __init__(self, tree: TieredRadixTree, books: TierBooks, placement: Placement, client: IOClient,
+                 key_prefix: str, write_policy: str, clock: Callable[[], float], retry_s: float = STORE_RETRY_S):
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"store write policy must be one of {list(WRITE_POLICIES)}, got {write_policy!r}")
+        self.tree, self.books, self.placement, self.client = tree, books, placement, client
+        self.key_prefix = key_prefix
+        self.write_back = write_policy == "write_back"
+        self.clock = clock
+        self.lookups: dict[int, Lookup] = {}  # op id -> lookup in flight
+        self._by_hash: dict[bytes, Lookup] = {}  # first page hash -> lookup in flight
+        self._to_put: dict[int, TreeNode] = {}  # node id -> node to share (insertion order)
+        self._missed: OrderedDict[str, int] = OrderedDict()  # key whose GET missed -> op id then
+        self._failures_in_row = {"writes": 0, "reads": 0}  # PUT jobs / GET + lookup jobs that failed in a row
+        self.off_reason: Optional[str] = None
+        self._retry_at_s: Optional[float] = None
+        self.retry_s = retry_s
+        self._retry_wait_s = retry_s
+        self.counts = dict.fromkeys(("lookup_pages", "lookup_found_pages", "put_pages", "put_failed_pages",
+                                     "get_pages", "get_failed_pages", "switch_offs"), 0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.off_reason is None
+
+    def keys(self, hashes: Sequence[bytes]) -> list[str]:
+        return [self.key_prefix + h.hex() for h in hashes]
+
+    def keys_of(self, node: TreeNode) -> list[str]:
+        """Store key of each page of ``node``."""
+        return self.keys(node_hashes(self.tree.root, node, self.tree.page_size))
+
+    # ------------------------------------------------------------ shares
+    def note_in_dram(self, nodes: Sequence[TreeNode]) -> None:
+        """Nodes whose KV just landed in DRAM (write-through shares them)."""
+        if not self.write_back:
+            self._queue(nodes)
+
+    def note_left_hbm(self, nodes: Sequence[TreeNode]) -> None:
+        """Nodes whose HBM copy was just dropped (write-back shares those still in DRAM)."""
+        if self.write_back:
+            self._queue(nodes)
+
+    def _queue(self, nodes: Sequence[TreeNode]) -> None:
+        if self.enabled:
+            for node in nodes:
+                self._to_put[node.id] = node
+
+    def submit_puts(self) -> None:
+        """Start PUTs of the queued nodes still in DRAM and not in the store (bounded in flight)."""
+        if not self.enabled:
+            self._to_put.clear()
+            return
+        in_flight = len(self.books.in_flight(Kind.PUT))
+        for node_id in list(self._to_put):
+            if in_flight >= MAX_PUTS_IN_FLIGHT:
+                return
+            node = self._to_put.pop(node_id)
+            if not node.alive or not node.in_tier(Tier.DRAM) or node.in_tier(Tier.STORE) or node.pinned[Tier.STORE]:
+                continue
+            op = self.books.prepare(Kind.PUT, [node], store_keys=self.keys_of(node))
+            self.client.submit_put(op.op_id, op.src_ids, op.dst_ids)
+            in_flight += 1
+
+    # ------------------------------------------------------------ lookups
+    def tail_hash(self, m: TreeMatch, tokens: Sequence[int], namespace: Optional[tuple]) -> Optional[bytes]:
+        """Page hash of the first whole page after the match, if the match ends on a node boundary."""
+        ps, end = self.tree.page_size, m.matched_len
+        if len(tokens) - end < ps:
+            return None
+        last = m.nodes[-1] if m.nodes else self.tree.root
+        if sum(n.num_tokens for n in m.nodes) != end:
+            return None  # a peek that ends inside a node: the tree knows what follows
+        return chain(prefix_hash(self.tree.root, last, ps), namespace, tokens[end : end + ps], ps)[0]
+
+    def lookup(self, m: TreeMatch, tokens: Sequence[int], namespace: Optional[tuple]) -> Optional[Lookup]:
+        """Ask the store for the pages after a local match (split at its end); returns the lookup
+        in flight for them (new or already running), or None (nothing to ask, store off)."""
+        if not self.enabled:
+            return None
+        first = self.tail_hash(m, tokens, namespace)
+        if first is None:
+            return None
+        if first in self._by_hash:
+            return self._by_hash[first]
+        if self._recently_missed(self.key_prefix + first.hex()):
+            return None
+        ps, end = self.tree.page_size, m.matched_len
+        whole = end + (len(tokens) - end) // ps * ps
+        tail = list(tokens[end : min(whole, end + MAX_LOOKUP_PAGES * ps)])
+        parent = m.nodes[-1] if m.nodes else self.tree.root
+        keys = self.keys(chain(prefix_hash(self.tree.root, parent, ps), namespace, tail, ps))
+        lookup = Lookup(self.books.new_op_id(), parent, tail, namespace, keys, first)
+        self.lookups[lookup.op_id] = lookup
+        self._by_hash[first] = lookup
+        self.client.submit_exists(lookup.op_id, keys)
+        self.counts["lookup_pages"] += len(keys)
+        return lookup
+
+    def _recently_missed(self, key: str) -> bool:
+        at = self._missed.get(key)
+        if at is None:
+            return False
+        if self.books.new_op_id() - at < MISS_HOLD_OPS:  # op ids are cheap; skipping one is harmless
+            return True
+        del self._missed[key]
+        return False
+
+    def pending(self, first_hash: Optional[bytes]) -> Optional[Lookup]:
+        return self._by_hash.get(first_hash) if first_hash is not None else None
+
+    def finish_lookup(self, op_id: int, found_pages: int) -> Optional[TreeNode]:
+        """Apply an agreed lookup result: the leading ``found_pages`` become a store-only child of
+        its parent (if the tree has not grown there meanwhile). Returns the new node, or None."""
+        lookup = self.lookups.pop(op_id, None)
+        if lookup is None:
+            return None
+        self._by_hash.pop(lookup.first_hash, None)
+        self.counts["lookup_found_pages"] += found_pages
+        parent, ps = lookup.parent, self.tree.page_size
+        if found_pages <= 0 or not self.enabled or (parent is not self.tree.root and not parent.alive):
+            return None
+        tokens = lookup.tokens[: found_pages * ps]
+        try:
+            return self.tree.add_child(parent, tokens, lookup.namespace, Tier.STORE, lookup.keys[:found_pages])
+        except ValueError:
+            return None  # a child for this page appeared meanwhile (inserted or found): keep it
+
+    # ------------------------------------------------------------ outcomes, on/off
+    def note_job(self, kind: Optional[Kind], pages: int, ok_pages: int, aborted: bool,
+                 missed_keys: Sequence[str] = ()) -> None:
+        """Count one finished store job (``kind`` None: a lookup) and switch the tier off after
+        ``STORE_FAILURES_IN_ROW`` failed jobs in a row (a lookup fails only when aborted).
+        ``missed_keys``: keys a GET did not find (not looked up again for a while)."""
+        if kind == Kind.PUT:
+            self.counts["put_pages"] += ok_pages
+            self.counts["put_failed_pages"] += pages - ok_pages
+        elif kind == Kind.GET:
+            self.counts["get_pages"] += ok_pages
+            self.counts["get_failed_pages"] += pages - ok_pages
+        if missed_keys:
+            now = self.books.new_op_id()
+            for key in missed_keys:
+                self._missed[key] = now
+                self._missed.move_to_end(key)
+            while len(self._missed) > MAX_MISSED_KEYS:
+                self._missed.popitem(last=False)
+        failed = aborted or (kind == Kind.PUT and ok_pages < pages)
+        direction = "writes" if kind == Kind.PUT else "reads"
+        streak = self._failures_in_row[direction] + 1 if failed else 0
+        self._failures_in_row[direction] = streak
+        if not failed:
+            self._retry_wait_s = self.retry_s  # it works: the next switch-off waits the least again
+        if streak >= STORE_FAILURES_IN_ROW:
+            self.switch_off(f"{streak} store {direction} in a row failed (see the I/O worker's warnings)")
+
+    def switch_off(self, reason: str) -> None:
+        """Stop using the store (one warning) and forget its records; try again later."""
+        if not self.enabled:
+            return
+        self.off_reason = reason
+        self.counts["switch_offs"] += 1
+        self._retry_at_s = self.clock() + self._retry_wait_s
+        self._to_put.clear()
+        forgotten = self.placement.forget(Tier.STORE)
+        logger.warning("hiradix: cluster store switched off: %s; %d store records forgotten; "
+                       "serving from the local tiers, trying the store again in %.0f s",
+                       reason, forgotten, self._retry_wait_s)
+
+    def step(self) -> None:
+        """Per step: share what is queued; try a switched-off store again when its wait is over."""
+        if not self.enabled and self._retry_at_s is not None and self.clock() >= self._retry_at_s:
+            logger.warning("hiradix: trying the cluster store again (off since: %s)", self.off_reason)
+            self.off_reason, self._retry_at_s = None, None
+            self._failures_in_row = dict.fromkeys(self._failures_in_row, 0)
+            self._retry_wait_s = min(STORE_RETRY_MAX_S, self._retry_wait_s * 2)
+        if not self.enabled and self.tree.tier_tokens[Tier.STORE]:
+            self.placement.forget(Tier.STORE)  # records pinned at switch-off time, released since
+        self.submit_puts()
+
+    def reset(self) -> None:
+        """The tree is being reset: forget queued shares. Lookups in flight stay until their
+        results (the ranks agree on them; their old parents are dead, so nothing is attached)."""
+        self._by_hash.clear()
+        self._to_put.clear()

@@ -1,0 +1,219 @@
+"""The cluster-store tier, scripted: two servers' prefix caches share one (data-less) store.
+
+Each "server" is the real :class:`TieredPrefixCache` (tree, ledger, placement, controller,
+store tier) over the data-less ports of :mod:`hiradix.testing.sim_ports`; the store is a
+:class:`SimStore` both I/O clients talk to. Invariants are checked after every step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from hiradix.core.node import Tier
+from hiradix.core.policy import make_policy
+from hiradix.core.prefix_cache import TieredPrefixCache
+from hiradix.core.store_tier import STORE_FAILURES_IN_ROW, STORE_RETRY_S
+from hiradix.core.tree import TieredRadixTree
+from hiradix.io.protocol import JobDone
+from hiradix.testing.sim_ports import SimClock, SimDevicePool, SimStore, simulated_controller
+
+PS = 2  # tokens per page
+TIMEOUT_S = 2.0
+
+
+class Server:
+    """One simulated server: the server's prefix cache over data-less ports."""
+
+    def __init__(self, store: SimStore, clock: SimClock, key_prefix: str = "fp1/", write_policy: str = "write_through",
+                 dram_pages: int = 64, nvme_slots: int = 0, query_s: float = 0.0):
+        self.clock = clock
+        self.tree = TieredRadixTree(PS, make_policy("lookahead"), clock=clock)
+        self.tiers = simulated_controller(self.tree, dram_pages, nvme_slots, page_bytes=64, write_through=True,
+                                          clock=clock, store=store, store_key_prefix=key_prefix,
+                                          store_write_policy=write_policy, store_query_s=query_s)
+        self.device = SimDevicePool(256, PS)
+        self.cache = TieredPrefixCache(self.tree, self.device, self.tiers, load_timeout_s=TIMEOUT_S)
+        self.held = 0  # device slots owned by requests (none between calls)
+
+    def check(self) -> None:
+        self.cache.check_integrity(self.held, used_tokens=self.device.num_used_tokens())
+
+    def step(self) -> None:
+        self.cache.step()
+        self.check()
+
+    def serve(self, tokens: list[int], namespace=None) -> None:
+        """A request computes ``tokens`` and inserts them (SGLang's checkpoint), then finishes."""
+        m = self.cache.match(tokens, namespace)
+        lock = m.hbm_node
+        self.cache.lock(lock)
+        new = self.device.alloc(len(tokens) - m.hbm_len)
+        slots = self.cache.path_slots(lock) + new
+        _, last = self.cache.checkpoint(tokens, namespace, slots, m.hbm_len)
+        self.cache.lock(last)
+        self.cache.unlock(lock)
+        self.cache.unlock(last)
+        self.check()
+
+    def admit(self, tokens: list[int], namespace=None):
+        """Admission as SGLang runs it: match (starts reads/lookups), wait while reads run, then
+        load the DRAM part back. Returns (match at admission, LoadBack)."""
+        m = self.cache.match(tokens, namespace)
+        back = self.cache.load_back(m.hbm_node, m.dram_node, m.dram_len)
+        self.check()
+        return m, back
+
+
+def keys(tag: int, pages: int = 3) -> list[int]:
+    return [tag * 100 + i for i in range(pages * PS)]
+
+
+@pytest.fixture
+def cluster():
+    clock, store = SimClock(), SimStore()
+    return clock, store, Server(store, clock), Server(store, clock)
+
+
+def settle(*servers: Server, steps: int = 4) -> None:
+    for _ in range(steps):
+        for s in servers:
+            s.step()
+
+
+def test_turn_routed_to_another_server_hits_through_the_store(cluster):
+    clock, store, a, b = cluster
+    prompt = keys(1)
+    a.serve(prompt)
+    settle(a)  # backup lands in DRAM; write-through PUT submitted, then landed
+    assert a.tree.tier_tokens[Tier.STORE] == 6 and len(store) == 3
+    # B has never seen it: the local match is empty, the lookup of the next pages starts
+    m = b.cache.match(prompt)
+    assert m.cached_len == 0 and b.tiers.store.lookups
+    assert b.cache.should_wait(prompt)
+    b.step()  # exists answered: a store-only child under the root, its GET started
+    node = next(iter(b.tree.root.children.values()))
+    assert node.tiers() == [Tier.STORE] and node.store_keys == a.tiers.store.keys_of(a.tree.match(prompt, split=False).nodes[0])
+    assert b.cache.should_wait(prompt)
+    b.step()  # GET landed: DRAM + store
+    assert node.tiers() == [Tier.DRAM, Tier.STORE] and not b.cache.should_wait(prompt)
+    m, back = b.admit(prompt)
+    assert (m.hbm_len, m.dram_len) == (0, 6) and back.loaded == 6
+    assert back.read_from == {Tier.NVME: 0, Tier.STORE: 6} and back.waited_from[Tier.STORE] == 6
+    b.step()
+    assert b.tiers.stats.store_tokens["used"] == 6 and b.tiers.store.counts["get_pages"] == 3
+
+
+def test_lookup_takes_the_leading_run_and_extends_a_local_match(cluster):
+    clock, store, a, b = cluster
+    history = keys(2, pages=4)
+    a.serve(history)
+    settle(a)
+    b.serve(history[:4])  # B computed the first 2 pages itself
+    settle(b)
+    turn = history + [7, 7]  # next turn: 4 pages known to A, 1 new page
+    b.cache.match(turn)
+    b.step()
+    b.step()
+    m, back = b.admit(turn)
+    assert m.hbm_len == 4 and m.dram_len == 4 and back.read_from[Tier.STORE] == 4  # pages 3-4 from the store
+    assert back.loaded == 4
+
+
+def test_salted_requests_and_other_models_never_hit_each_others_pages(cluster):
+    clock, store, a, b = cluster
+    prompt = keys(3)
+    a.serve(prompt, namespace=(None, "salt-a"))
+    settle(a)
+    other_model = Server(store, clock, key_prefix="fp2/")  # another model or page size
+    for server, ns in ((b, (None, "salt-b")), (b, None), (other_model, (None, "salt-a"))):
+        server.cache.match(prompt, ns)
+        settle(server)
+        m, back = server.admit(prompt, ns)
+        assert m.cached_len == 0 and back.loaded == 0 and server.tree.tier_tokens[Tier.STORE] == 0
+    m = b.cache.match(prompt, (None, "salt-a"))  # the same salt does share
+    settle(b)
+    assert b.admit(prompt, (None, "salt-a"))[1].read_from[Tier.STORE] == 6
+
+
+def test_a_get_that_misses_is_a_miss_and_the_request_recomputes(cluster):
+    clock, store, a, b = cluster
+    prompt = keys(4)
+    a.serve(prompt)
+    settle(a)
+    b.cache.match(prompt)
+    b.step()  # found: store-only node, GET in flight
+    store._keys.clear()  # the store dropped the objects (holder died, eviction) before the GET ran
+    b.step()
+    assert not b.tree.root.children  # the stale store record is forgotten
+    m, back = b.admit(prompt)
+    assert back.loaded == 0 and not b.cache.should_wait(prompt)
+
+
+def test_a_slow_lookup_waits_at_most_the_timeout(cluster):
+    clock, store, a, _ = cluster
+    prompt = keys(5)
+    a.serve(prompt)
+    settle(a)
+    slow = Server(store, clock, query_s=10.0)
+    slow.cache.match(prompt)
+    assert slow.cache.should_wait(prompt)
+    clock.advance_to(clock() + TIMEOUT_S + 0.1)
+    slow.step()  # the deadline passed: the request runs with what is ready
+    assert not slow.cache.should_wait(prompt)
+    clock.advance_to(clock() + 10.0)
+    slow.step()  # the late answer is still used: found, fetched ahead for the next request
+    slow.step()
+    assert slow.admit(prompt)[1].read_from[Tier.STORE] == 6
+
+
+def test_write_back_puts_only_what_left_hbm():
+    clock, store = SimClock(), SimStore()
+    a = Server(store, clock, write_policy="write_back")
+    prompt = keys(6)
+    a.serve(prompt)
+    settle(a)
+    assert len(store) == 0 and a.tree.tier_tokens[Tier.DRAM] == 6  # backed up, not shared
+    a.cache.evict(6)
+    settle(a)
+    assert len(store) == 3 and a.tree.tier_tokens[Tier.STORE] == 6
+
+
+class FailingPuts:
+    """Wraps an I/O client: every PUT page fails and nothing reaches the store (a full store)."""
+
+    def __init__(self, inner):
+        self.inner, self.failed = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def submit_put(self, job_id, dram_pages, keys):
+        self.failed.append(JobDone(job_id=job_id, ok=[False] * len(keys)))
+
+    def poll(self):
+        done, self.failed = self.failed + self.inner.poll(), []
+        return done
+
+
+def test_failed_puts_in_a_row_switch_the_store_off_once_and_it_comes_back(caplog):
+    clock, store = SimClock(), SimStore()
+    a = Server(store, clock)
+    a.tiers.client = a.tiers.store.client = FailingPuts(a.tiers.client)
+    caplog.set_level(logging.WARNING)
+    for tag in range(STORE_FAILURES_IN_ROW):
+        a.serve(keys(10 + tag))
+        settle(a)
+    warnings = [r.getMessage() for r in caplog.records if "cluster store switched off" in r.getMessage()]
+    assert len(warnings) == 1 and f"{STORE_FAILURES_IN_ROW} store writes in a row failed" in warnings[0]
+    assert not a.tiers.store_enabled and a.tree.tier_tokens[Tier.STORE] == 0
+    a.cache.match(keys(99))  # off: no lookups, no puts
+    assert not a.tiers.store.lookups
+    clock.advance_to(clock() + STORE_RETRY_S + 1)
+    a.step()
+    assert a.tiers.store_enabled  # tried again
+    a.tiers.client = a.tiers.store.client = a.tiers.client.inner
+    a.serve(keys(50))
+    settle(a)
+    assert a.tree.tier_tokens[Tier.STORE] == 6 and len(store) == 3
