@@ -42,7 +42,7 @@ def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:
 
 
 def make(registry: CollectorRegistry) -> TierMetrics:
-    return TierMetrics(LABELS, PAGE_SIZE, PAGE_BYTES, (32, 100, 1000), registry=registry)
+    return TierMetrics(LABELS, PAGE_SIZE, PAGE_BYTES, (32, 100, 1000, 0), registry=registry)
 
 
 def books(**kw):
@@ -61,14 +61,14 @@ def test_every_series_is_exported_from_the_start():
             if s.type == "counter":
                 assert got[key] == 0.0, key
     cap = {t: got[("sglang:hiradix_tier_capacity_tokens", (("tier", t),))] for t in TIERS}
-    assert cap == {"HBM": 32 * 16, "DRAM": 100 * 16, "NVMe": 1000 * 16}
+    assert cap == {"HBM": 32 * 16, "DRAM": 100 * 16, "NVMe": 1000 * 16, "store": 0}
     assert got[("sglang:hiradix_tier_capacity_bytes", (("tier", "DRAM"),))] == 100 * PAGE_BYTES
     text = generate_latest(registry).decode()
     assert 'cache_type="TieredRadixCache"' in text and 'tp_rank="0"' in text
 
 
 def test_names_follow_sglang_conventions():
-    units = ("_tokens", "_bytes", "_requests", "_nodes", "_pages", "_transfers", "_in_flight", "_enabled")
+    units = ("_tokens", "_bytes", "_requests", "_nodes", "_pages", "_transfers", "_in_flight", "_enabled", "_offs")
     for s in SERIES:
         assert re.fullmatch(r"sglang:hiradix_[a-z_]+", s.name), s.name
         assert s.name.endswith("_total") == (s.type == "counter"), s.name
@@ -85,7 +85,7 @@ def test_counters_advance_by_deltas_and_gauges_follow_the_tree():
     stats.admission_skips = 2
     op = types.SimpleNamespace(kind=types.SimpleNamespace(name="PREFETCH"))
     for _ in range(2):  # the same totals twice: counted once
-        m.update(stats, books(wasted_prefetch_tokens=16, dropped_tokens=[0, 16, 0], ops={1: op}), [64, 160, 480], None)
+        m.update(stats, books(wasted_prefetch_tokens=16, dropped_tokens=[0, 16, 0, 0], ops={1: op}), [64, 160, 480, 0], None)
     got = samples(registry)
     assert got[("sglang:hiradix_moved_bytes_total", (("kind", "DEMOTE"),))] == 3 * PAGE_BYTES
     assert got[("sglang:hiradix_moved_tokens_total", (("kind", "DEMOTE"),))] == 3 * PAGE_SIZE
@@ -100,11 +100,21 @@ def test_counters_advance_by_deltas_and_gauges_follow_the_tree():
     assert got[("sglang:hiradix_transfers_in_flight", (("kind", "PREFETCH"),))] == 1
     assert got[("sglang:hiradix_transfers_in_flight", (("kind", "DEMOTE"),))] == 0
     assert got[("sglang:hiradix_nvme_enabled", ())] == 1
+    assert got[("sglang:hiradix_store_enabled", ())] == 0  # no store tier
     stats.admission_skips = 5
-    m.update(stats, books(nvme_enabled=False), [0, 0, 0], None)
+    store = types.SimpleNamespace(enabled=True, counts={"lookup_pages": 4, "lookup_found_pages": 2, "put_pages": 3,
+                                                        "put_failed_pages": 0, "get_pages": 2, "get_failed_pages": 1,
+                                                        "switch_offs": 1})
+    stats.store_tokens["used"] = 32
+    m.update(stats, books(nvme_enabled=False), [0, 0, 0, 0], None, store=store)
     got = samples(registry)
     assert got[("sglang:hiradix_admission_skips_total", ())] == 5
     assert got[("sglang:hiradix_nvme_enabled", ())] == 0
+    assert got[("sglang:hiradix_store_pages_total", (("op", "found"),))] == 2
+    assert got[("sglang:hiradix_store_pages_total", (("op", "get_failed"),))] == 1
+    assert got[("sglang:hiradix_store_used_tokens_total", ())] == 32
+    assert got[("sglang:hiradix_store_switch_offs_total", ())] == 1
+    assert got[("sglang:hiradix_store_enabled", ())] == 1
 
 
 def test_readme_lists_every_series():
