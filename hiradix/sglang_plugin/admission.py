@@ -16,7 +16,8 @@ neither admitted nor refused: it stays at the head of the queue and blocks every
 it (issue 14). Stock SGLang does the same at ``--page-size 16``; at page size 1 the two limits
 agree.
 
-:func:`max_admissible_prompt_tokens` computes the largest prompt that an empty pool admits, and
+:func:`max_admissible_prompt_tokens` computes the largest prompt that an empty pool admits with
+room for at least one generated token, and
 :func:`after_get_worker_info` (AFTER ``TpModelWorker.get_worker_info``, scheduler processes with
 hiradix only) lowers SGLang's ``max_req_input_len`` to one above it, so SGLang's own length
 check refuses longer prompts with its usual HTTP 400 message.
@@ -43,13 +44,17 @@ def max_admissible_prompt_tokens(
     max_req_input_len: int,
     clip_new_tokens: Callable[[int, int], int],
 ) -> int:
-    """Largest prompt, in tokens, that SGLang's prefill admission takes from an empty pool.
+    """Largest prompt, in tokens, that SGLang's prefill admission takes from an empty pool and
+    still lets generate at least one token.
 
     A prompt of ``P`` tokens with no cached prefix is admitted when ``P + new(P) + page_size <
     empty_pool_tokens``, with ``new(P) = clip_new_tokens(P, min(UNBOUNDED, max_req_len - P - 1))``
     (SGLang's ``init_req_max_new_tokens``); a request asking for fewer new tokens reserves
-    fewer, so this is the worst case. A cached prefix shortens the extend but is locked out of
-    the evictable budget, so the same bound holds with hits.
+    fewer, so this is the worst case. SGLang clips ``new(P)`` to 0 when the page-rounded prompt
+    leaves no page for decoding: such a prompt may be admitted but answers with no token, so it
+    does not count (with pages of 16 and a 512-token pool: 495 tokens would get an empty answer,
+    480 get up to 15 tokens). A cached prefix shortens the extend but is locked out of the
+    evictable budget, so the same bound holds with hits.
 
     Args:
         empty_pool_tokens: device KV slots available when nothing is cached (tokens).
@@ -64,7 +69,7 @@ def max_admissible_prompt_tokens(
     """
     for prompt in range(max_req_input_len - 1, 0, -1):
         new_tokens = clip_new_tokens(prompt, max(0, min(UNBOUNDED_NEW_TOKENS, max_req_len - prompt - 1)))
-        if prompt + new_tokens + page_size < empty_pool_tokens:
+        if new_tokens >= 1 and prompt + new_tokens + page_size < empty_pool_tokens:
             return prompt
     return 0
 
