@@ -4,15 +4,18 @@
 rank: an anonymous shared-memory DRAM pool, an NVMe slot file served by a spawned I/O worker
 (with its durable index, re-indexed into the tree at start), the in-process host mover and the
 layer-wise loader, and the TP agreement over SGLang's CPU group. Process-level setup happens
-here and only here: removing socket directories of dead schedulers, locking the NVMe
-directory against a second server, spawning the worker.
+here and only here: removing socket directories of dead schedulers (and this one's at exit),
+locking the NVMe directory against a second server, spawning the worker.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
+import signal
+import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -79,6 +82,37 @@ def _open_index(nvme_dir: Path, identity: dict, layout: KVLayout, tp_rank: int, 
         logger.warning("hiradix: %s has an NVMe index but no slot file; starting empty", nvme_dir)
         (nvme_dir / INDEX_FILE_NAME).unlink()
     return NvmeIndex.open(nvme_dir, fingerprint, nvme_slots, page_size)
+
+
+def remove_on_exit(path: Path) -> None:
+    """Remove ``path`` (this scheduler's private shared-memory directory) when the process ends.
+
+    A graceful SGLang shutdown (SIGTERM to the launcher) closes the tiers, which removes it;
+    this also covers the other ways a server is stopped: normal interpreter exit (``atexit``),
+    and SIGTERM or SIGINT to the whole process group (Ctrl-C, systemd). The signal handlers
+    remove the directory and then do what was there before (SGLang installs none in the
+    scheduler: SIGTERM then terminates, SIGINT raises ``KeyboardInterrupt``), so SGLang's
+    shutdown is unchanged. SIGKILL cannot be caught: the next server removes what is left
+    (:func:`hiradix.tiers.files.remove_stale_dirs`).
+    """
+    def remove() -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+    atexit.register(remove)
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        previous = signal.getsignal(signum)
+
+        def handler(sig: int, frame: Any, previous: Any = previous) -> None:
+            remove()
+            if callable(previous):
+                previous(sig, frame)
+            elif previous != signal.SIG_IGN:  # SIG_DFL (or unknown): die of the signal, as before
+                signal.signal(sig, signal.SIG_DFL)
+                os.kill(os.getpid(), sig)
+
+        signal.signal(signum, handler)
 
 
 def dram_bytes_of(config: Any, layout: KVLayout, device_pages: int) -> int:
@@ -152,6 +186,7 @@ def build_tiers(
     shm_dir = Path(f"{default_shm_dir()}-rank{tp_rank}")
     remove_stale_dirs(shm_dir)
     ensure_private_dir(shm_dir)  # 0700: it holds the worker's socket directory
+    remove_on_exit(shm_dir)
     dram = DramPool.create_anonymous(layout, dram_pages)
     client, nvme_dir, nvme_slots, lock_fd, index, pages = None, None, 0, -1, None, []
     if config.nvme_bytes > 0:

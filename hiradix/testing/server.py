@@ -353,6 +353,20 @@ class ServerProcess:
             self._log_file = None
         return code
 
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the server's whole process group (as Ctrl-C in a terminal does)."""
+        if self._proc is not None:
+            _signal_group(self._proc.pid, sig)
+
+    def wait_exit(self, timeout_s: float) -> int | None:
+        """Wait up to ``timeout_s`` for the launcher to exit; its exit code, or None if it runs on."""
+        if self._proc is None:
+            return None
+        try:
+            return self._proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
     def log_text(self) -> str:
         """The whole server log so far (decoded as UTF-8, undecodable bytes replaced)."""
         try:

@@ -6,13 +6,17 @@ transfer is in flight; it is stopped. Server 2, same flags and NVMe path, must r
 durable index (log line and metric), serve the 4th-turn prompts again with hits that can only
 come from the restored NVMe pages (HBM and DRAM start empty), first page included, and give
 token-identical greedy outputs; then ``/flush_cache`` empties every tier (gauges at 0, the prompt
-misses) and frees every slot in the durable index (the file on disk has no live page). Server 3 changes ``--page-size`` (another fingerprint): the
-slots are not reused, with one log line naming what changed, and nothing hits.
+misses) and frees every slot in the durable index (the file on disk has no live page); it is
+stopped with Ctrl-C's SIGINT. Server 3 changes ``--page-size`` (another fingerprint): the
+slots are not reused, with one log line naming what changed, and nothing hits; it is stopped by
+SIGTERM to its launcher. No server leaves its ``/dev/shm`` socket directory behind.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import stat
 import time
 import urllib.request
@@ -22,7 +26,7 @@ import pytest
 
 from hiradix.persistence.index import Put, _read_records, _replay
 
-from tests.helpers.e2e import chat, metric, run_sessions, start, user_turn
+from tests.helpers.e2e import chat, metric, run_sessions, shm_dirs_of, start, user_turn
 
 pytestmark = pytest.mark.e2e
 
@@ -78,6 +82,7 @@ def test_nvme_tier_survives_restart_and_other_fingerprint_is_not_reused(tiny_mod
         before = [chat(s1.base_url, p) for p in prompts]
         settle(s1.base_url)
         nvme_tokens = metric(s1.base_url, "sglang:hiradix_tier_used_tokens", tier="NVMe")
+        shm = {"s1": shm_dirs_of(s1)}
     assert nvme_tokens > 0
     index = nvme_dir / "hiradix-rank0" / "index.log"
     assert stat.S_IMODE(index.stat().st_mode) == 0o600
@@ -87,6 +92,9 @@ def test_nvme_tier_survives_restart_and_other_fingerprint_is_not_reused(tiny_mod
         restored = metric(s2.base_url, "sglang:hiradix_nvme_restored_pages")
         log = s2.log_text()
         flushed = flush_and_repeat(s2.base_url, prompts[0])
+        shm["s2"] = shm_dirs_of(s2)
+        s2.signal_group(signal.SIGINT)  # stopped as Ctrl-C in a terminal stops it
+        assert s2.wait_exit(60) is not None
     assert flushed["cached"] == 0 and flushed["text"] == before[0]["text"], flushed
     # /flush_cache freed every NVMe slot in the durable index: a restart re-indexes nothing.
     # The slot file keeps its pre-allocated size.
@@ -106,6 +114,11 @@ def test_nvme_tier_survives_restart_and_other_fingerprint_is_not_reused(tiny_mod
         first = chat(s3.base_url, prompts[0])
         restored = metric(s3.base_url, "sglang:hiradix_nvme_restored_pages")
         log = s3.log_text()
+        shm["s3"] = shm_dirs_of(s3)
+        os.kill(s3.pid, signal.SIGTERM)  # SGLang's graceful shutdown: SIGTERM to the launcher only
+        assert s3.wait_exit(60) == 0
+    # Issue 14: a normal shutdown (group SIGTERM, Ctrl-C, launcher SIGTERM) leaves no socket directory.
+    assert all(shm[s] for s in shm) and not [d for dirs in shm.values() for d in dirs if d.exists()], shm
     assert restored == 0
     assert len(re.findall(r"was written for another setup \(.*page_size: 16 -> 32", log)) == 1, log[-3000:]
     assert first["cached"] == 0 and first["text"] == before[0]["text"]

@@ -9,6 +9,7 @@ The ``stock_outputs`` fixture (tests/conftest.py) runs it on stock SGLang once p
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -79,6 +80,15 @@ def run_sessions(
         with ThreadPoolExecutor(max_workers=parallel) as pool:
             list(pool.map(lambda s: one(s, t), range(sessions)))
     return results
+
+
+def shm_dirs_of(server: ServerProcess) -> list[Path]:
+    """The private shared-memory directories (``/dev/shm/hiradix-<uid>-<pid>-rank<r>``) of the
+    server's live processes (its schedulers make them)."""
+    from hiradix.tiers.files import default_shm_dir
+
+    base = default_shm_dir().parent
+    return sorted(d for p in server.descendants() for d in base.glob(f"hiradix-{os.geteuid()}-{p.pid}-rank*"))
 
 
 def start(model: Path, log: Path, max_total_tokens: int, extra: list[str]) -> ServerProcess:
