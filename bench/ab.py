@@ -147,21 +147,35 @@ def kv_bytes_per_token(model_path: Path, dtype_bytes: int = 4) -> int:
     return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes
 
 
-def working_set_tokens(sessions: Sequence[Session], max_tokens: int) -> int:
+def working_set_tokens(sessions: Sequence[Session], max_tokens: int,
+                       count_tokens: Callable[[str], int] | None = None) -> int:
     """An upper bound on the tokens the prefix cache can hold for this run (all systems alike).
 
-    Per session: its last prompt (every message; byte-level BPE gives at most one token per
-    UTF-8 byte) plus a chat-template allowance per message and the generated answers.
+    Per session: its last prompt (every message, counted by ``count_tokens``, else one token per
+    UTF-8 byte, the most a byte-level BPE gives) plus a chat-template allowance per message and
+    the generated answers.
     """
+    count = count_tokens or (lambda text: len(text.encode()))
     total = 0
     for session in sessions:
-        chars = sum(len(m["content"].encode()) + TEMPLATE_TOKENS_PER_MESSAGE for m in session.messages)
-        total += chars + max_tokens * session.num_turns
+        total += sum(count(m["content"]) + TEMPLATE_TOKENS_PER_MESSAGE for m in session.messages)
+        total += max_tokens * session.num_turns
     return total
 
 
+def token_counter(model_path: Path) -> Callable[[str], int] | None:
+    """Token count of a text with the model's own tokenizer (``tokenizer.json``), or None."""
+    try:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
+    except Exception:  # noqa: BLE001 - no tokenizer file or library: fall back to the byte bound
+        return None
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
 def nvme_gb_for_run(nvme_gb: float | None, sessions: Sequence[Session], max_tokens: int, kv_bytes_per_token_: int,
-                    dram_bytes: int) -> tuple[float, str]:
+                    dram_bytes: int, count_tokens: Callable[[str], int] | None = None) -> tuple[float, str]:
     """The hiradix NVMe size of this run in GB, and why (for the log).
 
     ``nvme_gb`` None ("auto"): no NVMe tier when the run's working set fits in DRAM (it would
@@ -169,7 +183,7 @@ def nvme_gb_for_run(nvme_gb: float | None, sessions: Sequence[Session], max_toke
     """
     if nvme_gb is not None:
         return nvme_gb, "as given (--nvme-gb)"
-    need = working_set_tokens(sessions, max_tokens) * kv_bytes_per_token_
+    need = working_set_tokens(sessions, max_tokens, count_tokens) * kv_bytes_per_token_
     if need <= dram_bytes:
         return 0.0, (f"none: the run's working set (<= {need / 1e6:.1f} MB of KV) fits in DRAM "
                      f"({dram_bytes / 1e6:.1f} MB), so NVMe would never be read")
@@ -496,7 +510,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.info("%s", QUICK_NOTE)
     per_token = kv_bytes_per_token(model_path)
     device_bytes = args.max_total_tokens * per_token
-    nvme_gb, why = nvme_gb_for_run(args.nvme_gb, sessions, config.max_tokens, per_token, int(args.dram_ratio * device_bytes))
+    nvme_gb, why = nvme_gb_for_run(args.nvme_gb, sessions, config.max_tokens, per_token, int(args.dram_ratio * device_bytes),
+                                   token_counter(model_path))
     if any("--enable-hiradix" in s.server_args for s in systems):
         logger.info("hiradix NVMe tier: %s", why)
     systems = with_tier_sizes(systems, args.dram_ratio, nvme_gb, device_bytes, run_dir)

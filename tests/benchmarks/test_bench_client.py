@@ -326,6 +326,8 @@ def test_nvme_is_sized_to_the_run_and_removed_after(tmp_path):
     gb, why = ab.nvme_gb_for_run(None, sessions, 8, 2048, dram_bytes=1000)
     assert gb == pytest.approx(max(1e-3, math.ceil(tokens * 2048 * 1.5 / 1e6) / 1e3)) and "1.5 x" in why
     assert ab.nvme_gb_for_run(0.25, sessions, 8, 2048, dram_bytes=1)[0] == 0.25
+    assert ab.working_set_tokens(sessions, 8, count_tokens=lambda text: 10) == 3 * (3 * (10 + 16) + 16)
+    assert ab.token_counter(tmp_path / "no-model") is None  # no tokenizer.json: the byte bound
     for name in ("nvme-lru", "hicache-hicache"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "f").write_bytes(b"1" * 1000)
