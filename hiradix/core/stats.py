@@ -23,8 +23,8 @@ class TierStats:
             waiting request started the read), wasted (dropped from DRAM before any use; the
             ledger counts those, ``TierBooks.wasted_prefetch_tokens``).
         storage_hit_tokens: NVMe hits (tokens promoted to HBM from a DRAM copy read up from NVMe
-            for that use) by when the read ran: ``ahead`` (the look-ahead window read them before
-            the request reached admission) or ``at_admission`` (the request waited for the read).
+            for that use) by who started the read: ``ahead`` (the look-ahead window, while the
+            request was still queued) or ``at_admission`` (the request's own match at admission).
         store_tokens: tokens fetched from the cluster store that were promoted to HBM (used).
         admission_skips: times admission skipped a request waiting for its NVMe or store reads.
         restored_pages: NVMe pages re-indexed from the durable index at start.

@@ -54,7 +54,7 @@ SERIES: tuple[Series, ...] = (
     Series("sglang:hiradix_transfers_in_flight", "gauge", "Transfers in flight, by kind", "kind", KINDS),
     Series("sglang:hiradix_prefetch_tokens_total", "counter", "NVMe -> DRAM reads by outcome", "outcome", PREFETCH_OUTCOMES),
     Series("sglang:hiradix_storage_hit_tokens_total", "counter",
-           "NVMe hits (SGLang's storage tokens) by when the read ran", "read", STORAGE_HIT_READS),
+           "NVMe hits (SGLang's storage tokens) by who started the read", "read", STORAGE_HIT_READS),
     Series("sglang:hiradix_dropped_tokens_total", "counter", "Tokens that left their last tier (lost)", "tier", TIERS),
     Series("sglang:hiradix_admission_skips_total", "counter", "Admissions skipped while the request's NVMe reads ran"),
     Series("sglang:hiradix_lookahead_window_requests", "gauge", "Waiting requests the look-ahead window inspected"),
