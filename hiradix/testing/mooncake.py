@@ -19,7 +19,8 @@ What it starts, each in its own process session, with stdout and stderr in a log
 Both checks poll the master's HTTP endpoint every few ms until a deadline; a process that
 exits first fails the start with its log tail (:class:`StoreStartError`), and everything
 started so far is stopped. Fault methods (:meth:`kill_master`, :meth:`freeze_master`,
-:meth:`thaw_master`, :meth:`restart_master`, :meth:`kill_holder`) act by PID.
+:meth:`thaw_master`, :meth:`restart_master`, :meth:`kill_holder`, :meth:`freeze_holder`,
+:meth:`thaw_holder`, :meth:`start_holder`) act by PID.
 
 The binaries come with the Mooncake wheel (next to its ``mooncake`` package, or on this
 interpreter's ``bin/``); ports come from :func:`hiradix.testing.server.pick_free_port`.
@@ -305,12 +306,18 @@ class MooncakeCluster:
             expected = self.holder_segment_bytes * sum(pid is not None for pid in self.holder_pids)
             self._wait(self._master, lambda: self.capacity_bytes() >= expected)
 
+    def freeze_holder(self, index: int) -> None:
+        """SIGSTOP holder ``index`` (thaw it within the master's client TTL, 10 s by default,
+        or the master unmounts its segment)."""
+        self._require_holder(index).signal(signal.SIGSTOP)
+
+    def thaw_holder(self, index: int) -> None:
+        """SIGCONT holder ``index``."""
+        self._require_holder(index).signal(signal.SIGCONT)
+
     def kill_holder(self, index: int) -> None:
         """SIGKILL holder ``index`` and reap it (the objects in its segment are gone)."""
-        holder = self._holders[index]
-        if holder is None:
-            raise RuntimeError(f"holder {index} was never started")
-        holder.kill()
+        self._require_holder(index).kill()
 
     # ------------------------------------------------------------------------------- queries
 
@@ -354,6 +361,12 @@ class MooncakeCluster:
             raise RuntimeError("master not started")
         return self._master
 
+    def _require_holder(self, index: int) -> _Proc:
+        holder = self._holders[index]
+        if holder is None:
+            raise RuntimeError(f"holder {index} was never started")
+        return holder
+
     def _master_serving(self) -> bool:
         health = self.health()
         return bool(health and health.get("service_ready"))
@@ -368,3 +381,35 @@ class MooncakeCluster:
                 raise StoreStartError(f"{proc.label} not ready after {self.startup_timeout_s:g} s; "
                                       f"log {proc.log_path}:\n{proc.log_tail()}")  # fmt: skip
             time.sleep(poll_s)
+
+
+def hicache_mooncake_args(config: StoreConfig, *, prefetch_policy: str = "wait_complete") -> list[str]:
+    """``launch_server`` flags for stock SGLang HiCache with ``config``'s Mooncake store (L3).
+
+    Direct I/O with the ``page_first_direct`` host layout (SGLang switches to it for Mooncake
+    anyway; on CPU it needs patches/p05), the store given as ``extra_config`` with
+    ``global_segment_size`` 0 (the holders keep the objects), and ``prefetch_policy``
+    (``wait_complete``: a request waits for its storage prefetch, so its hits are deterministic).
+    Pass ``--page-size`` yourself. With :func:`hicache_mooncake_env`.
+    """
+    extra = {"master_server_address": config.master_server_address, "metadata_server": config.metadata_server,
+             "protocol": config.protocol, "device_name": config.device_name, "local_hostname": config.local_hostname,
+             "global_segment_size": config.global_segment_bytes}  # fmt: skip
+    return [
+        "--enable-hierarchical-cache",
+        "--hicache-io-backend", "direct",
+        "--hicache-mem-layout", "page_first_direct",
+        "--hicache-storage-backend", "mooncake",
+        "--hicache-storage-backend-extra-config", json.dumps(extra),
+        "--hicache-storage-prefetch-policy", prefetch_policy,
+    ]  # fmt: skip
+
+
+def hicache_mooncake_env(config: StoreConfig) -> dict[str, str]:
+    """Environment for a stock HiCache + Mooncake server on CPU: the client deadlines and
+    loopback binding of ``config`` (:func:`hiradix.tiers.store.mooncake.mooncake_env`) and
+    ``SGLANG_HICACHE_MOONCAKE_REUSE_TE=0`` (else SGLang builds its shared Mooncake transfer
+    engine for a GPU)."""
+    from hiradix.tiers.store.mooncake import mooncake_env
+
+    return {**mooncake_env(config), "SGLANG_HICACHE_MOONCAKE_REUSE_TE": "0"}

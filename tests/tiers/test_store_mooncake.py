@@ -271,17 +271,17 @@ def test_holder_killed_get_is_a_miss_although_exists_may_say_present(tmp_path, a
 
 def test_holder_frozen_get_fails_within_the_transfer_timeout(tmp_path, arena):
     with MooncakeCluster(num_holders=1, holder_segment_bytes=16 << 20, log_dir=tmp_path, transfer_timeout_s=1) as c:
-        with MooncakeStore(c.config()) as backend:
+        with MooncakeStore(c.config(), max_batch_keys=2) as backend:  # 3 chunks: one stall stops the rest
             backend.register(arena.tensor.data_ptr(), arena.dram_bytes)
-            keys = [f"hf/{i}" for i in range(2)]
-            assert backend.put(keys, pages(arena, range(2))) == [True] * 2
-            holder = c._holders[0]
-            holder.signal(19)  # SIGSTOP
+            keys = [f"hf/{i}" for i in range(6)]
+            assert backend.put(keys, pages(arena, range(6))) == [True] * 6
+            c.freeze_holder(0)
             try:
-                result, elapsed_s = timed(lambda: backend.get(keys, pages(arena, range(80, 82))))
+                result, elapsed_s = timed(lambda: backend.get(keys, pages(arena, range(80, 86))))
             finally:
-                holder.signal(18)  # SIGCONT
-            assert result == [False] * 2 and elapsed_s < 1 + MARGIN_S, elapsed_s
+                c.thaw_holder(0)
+            assert result == [False] * 6 and elapsed_s < 1 + MARGIN_S, elapsed_s
+            assert backend.get(keys, pages(arena, range(80, 86))) == [True] * 6  # thawed within its TTL
 
 
 def test_pool_full_put_fails_and_what_fit_reads_back(tmp_path):

@@ -241,18 +241,25 @@ class MooncakeStore:
         return out
 
     def _batched(self, keys: list[str], chunk_call) -> list[bool]:
-        """Run ``chunk_call(lo, hi)`` per chunk under the lock; after a master failure the rest fail."""
+        """Run ``chunk_call(lo, hi)`` per chunk of ``max_batch_keys`` under the lock.
+
+        After a chunk that found the master gone or silent, or a holder stalled (a transfer
+        failure after ``transfer_timeout_s``), the remaining keys fail without a call, so one
+        call never waits for more than one timeout.
+        """
         out: list[bool] = []
         with self._lock:
             for lo in range(0, len(keys), self.max_batch_keys):
                 hi = min(len(keys), lo + self.max_batch_keys)
+                started = time.monotonic()
                 codes = self._master_gate()
                 if codes is None:
                     ok, codes = chunk_call(lo, hi)
                     out.extend(ok)
                 else:
                     out.extend([False] * (hi - lo))
-                if MASTER_FAILURES & set(codes):
+                stalled = -800 in codes and time.monotonic() - started >= 0.9 * self.config.transfer_timeout_s
+                if MASTER_FAILURES & set(codes) or stalled:
                     self._master_down = -900 in codes
                     out.extend([False] * (len(keys) - hi))
                     break
