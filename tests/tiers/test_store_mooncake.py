@@ -201,6 +201,16 @@ def test_probe_says_why_within_its_timeout(cluster, monkeypatch):
     assert "does not import" in probe_in_this_process(cluster.config())
 
 
+def test_a_client_against_a_dead_master_raises_instead_of_retrying_for_long(cluster):
+    dead = cluster.config(master_server_address="127.0.0.1:1", setup_retries=1)
+    started = time.monotonic()
+    with pytest.raises(OSError, match="127.0.0.1:1"):
+        make_backend("mooncake", dead)
+    # Mooncake's reconnect loop costs ~4.3 s per attempt whatever the RPC timeout (0.3.13);
+    # without MC_STORE_CLIENT_SETUP_RETRIES it retries for ~90 s.
+    assert time.monotonic() - started < 4.3 + 2 * MARGIN_S
+
+
 def test_probe_of_a_frozen_master_gives_up_at_its_timeout(tmp_path):
     with MooncakeCluster(num_holders=0, log_dir=tmp_path) as c:
         c.freeze_master()

@@ -120,7 +120,9 @@ def make_backend(name: str, config: "StoreConfig") -> StoreBackend:
 
     Raises:
         ValueError: no backend of that name (the message lists the registered ones).
-        OSError: the backend cannot set up its client (e.g. the master is unreachable).
+        ImportError: the backend's client library is missing or does not load.
+        OSError: the backend cannot set up its client (Mooncake: the master unreachable,
+            after ~4.3 s per ``setup_retries``; :func:`probe_backend` says so sooner).
     """
     return _entry(name).factory(config)
 
