@@ -263,6 +263,8 @@ class MooncakeCluster:
 
     def stop(self) -> None:
         """Stop every holder, then the master (by PID: SIGCONT, SIGTERM, SIGKILL); idempotent."""
+        if self._master is not None:
+            self._master.signal(signal.SIGCONT)  # holders leaving talk to it
         for holder in self._holders:
             if holder is not None:
                 holder.stop(self.stop_grace_s)

@@ -26,12 +26,13 @@ import sys
 import time
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
 from hiradix.dataplane.layout import KVLayout
 
-from hiradix.testing.mooncake import MooncakeCluster
+from hiradix.testing.mooncake import MooncakeCluster, StoreStartError
 from hiradix.tiers.store import backend_names, make_backend, probe_backend, register_backend
 from hiradix.tiers.store.framing import OBJECT_OVERHEAD_BYTES, pack_object_trailer
 from hiradix.tiers.store.mooncake import MooncakeStore, probe, probe_in_this_process
@@ -79,6 +80,18 @@ def test_cluster_helper_starts_master_and_holder_by_pid(cluster):
     config = cluster.config()
     assert config.global_segment_bytes == 0 and config.protocol == "tcp"
     assert set(cluster.startup_s) == {"master", "holder-0"}
+
+
+def test_cluster_helper_stops_everything_by_pid_also_when_a_start_fails(tmp_path):
+    with MooncakeCluster(num_holders=2, log_dir=tmp_path / "ok") as c:
+        pids = [c.master_pid, *c.holder_pids]
+        assert all(psutil.pid_exists(pid) for pid in pids)
+        c.freeze_master()  # stop() must cope with a frozen master too
+    assert not any(psutil.pid_exists(pid) for pid in pids)
+    broken = MooncakeCluster(num_holders=1, log_dir=tmp_path / "bad", master_args=["--no_such_flag=1"])
+    with pytest.raises(StoreStartError, match="mooncake_master exited"):
+        broken.start()
+    assert broken.master_pid is None and broken.holder_pids == [None]
 
 
 def test_round_trip_is_byte_exact_through_the_dram_arena(store, arena, cluster):
