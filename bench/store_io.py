@@ -10,15 +10,18 @@ One store (:class:`hiradix.testing.mooncake.MooncakeCluster`: a master and one h
 ``DramPool``. Per round, in an order rotated every round, after a discarded warm-up round:
 
   raw        the baseline: ``batch_put_from`` / ``batch_get_into`` of the bare pages (no trailer,
-             no check), the store's own zero-copy path;
+             no check), the store's own zero-copy path with its default TCP connection pool;
   raw-again  the same once more: the A/A control (its ratio to ``raw`` shows the noise);
   hiradix    :class:`hiradix.tiers.store.mooncake.MooncakeStore`: page + 40-byte trailer per
-             object (``batch_put_from_multi_buffers``), gets verified (xxh3 of each page).
+             object (``batch_put_from_multi_buffers``), gets verified (xxh3 of each page),
+             without Mooncake's TCP connection pool (the default: bounded stalls);
+  hiradix-pooled  the same with ``tcp_connection_pool`` (as ``raw``).
 
 Each round puts ``--objects`` new keys, then gets them; GB/s = payload bytes / seconds
 (GB = 1e9). Then, once each: master and holder start-up (median of ``--starts`` fresh
 clusters) and how long a call takes to fail when the master is killed or frozen and when the
-holder is killed or frozen (``rpc_timeout_ms`` 1000, ``transfer_timeout_s`` 2), and for how long
+holder is killed or frozen (16 keys; ``rpc_timeout_ms`` 1000, ``transfer_timeout_s`` 2; the
+frozen holder also with the connection pool), and for how long
 ``exists`` still lists a killed holder's objects. Prints a table (medians, min-max) and writes
 ``store_io.json`` and ``store_io.png`` to ``runs/store-io-<timestamp>/`` (or ``--out``).
 """
@@ -63,10 +66,12 @@ def throughput(cluster: MooncakeCluster, args) -> dict[str, dict[str, list[float
     pool.tensor.copy_(torch.randn(pool.tensor.shape))
     base = pool.tensor.data_ptr()
     page = layout.page_bytes
-    raw = _raw_client(cluster.config())
+    raw = _raw_client(cluster.config(tcp_connection_pool=True))  # Mooncake's default transport
     raw.register_buffer(base, pool.dram_bytes)
     ours = MooncakeStore(cluster.config())
     ours.register(base, pool.dram_bytes)
+    pooled = MooncakeStore(cluster.config(tcp_connection_pool=True))
+    pooled.register(base, pool.dram_bytes)
     src = [pool.page_view(i) for i in range(args.objects)]
     dst = [pool.page_view(args.objects + i) for i in range(args.objects)]
     src_ptr = [base + i * page for i in range(args.objects)]
@@ -79,14 +84,18 @@ def throughput(cluster: MooncakeCluster, args) -> dict[str, dict[str, list[float
         assert all(c == page for c in raw.batch_get_into(keys, dst_ptr, [page] * len(keys)))
         return t1 - t0, time.monotonic() - t1
 
-    def ours_round(keys):
-        t0 = time.monotonic()
-        assert all(ours.put(keys, src))
-        t1 = time.monotonic()
-        assert all(ours.get(keys, dst))
-        return t1 - t0, time.monotonic() - t1
+    def backend_round(backend):
+        def run(keys):
+            t0 = time.monotonic()
+            assert all(backend.put(keys, src))
+            t1 = time.monotonic()
+            assert all(backend.get(keys, dst))
+            return t1 - t0, time.monotonic() - t1
 
-    systems = {"raw": raw_round, "raw-again": raw_round, "hiradix": ours_round}
+        return run
+
+    systems = {"raw": raw_round, "raw-again": raw_round, "hiradix": backend_round(ours),
+               "hiradix-pooled": backend_round(pooled)}  # fmt: skip
     results = {name: {"put": [], "get": []} for name in systems}
     names = list(systems)
     for round_index in range(args.repeats + 1):
@@ -99,6 +108,7 @@ def throughput(cluster: MooncakeCluster, args) -> dict[str, dict[str, list[float
                 results[name]["put"].append(page * args.objects / put_s / 1e9)
                 results[name]["get"].append(page * args.objects / get_s / 1e9)
     ours.close()
+    pooled.close()
     raw.close()
     pool.close()
     return results
@@ -113,17 +123,18 @@ def _timed(call):
 def faults(args) -> dict[str, float]:
     out: dict[str, float] = {}
     layout = _layout(1)
-    pool = DramPool.create_anonymous(layout, 8)
-    keys = [f"fault/{i}" for i in range(4)]
-    for fault in ("master killed", "master frozen", "holder killed", "holder frozen"):
+    pool = DramPool.create_anonymous(layout, 32)
+    keys = [f"fault/{i}" for i in range(16)]
+    for fault in ("master killed", "master frozen", "holder killed", "holder frozen", "holder frozen, pooled"):
         with MooncakeCluster(num_holders=1, holder_segment_bytes=64 << 20) as cluster:
-            with MooncakeStore(cluster.config()) as store:
+            with MooncakeStore(cluster.config(tcp_connection_pool=fault.endswith("pooled"))) as store:
                 store.register(pool.tensor.data_ptr(), pool.dram_bytes)
-                assert all(store.put(keys, [pool.page_view(i) for i in range(4)]))
+                assert all(store.put(keys, [pool.page_view(i) for i in range(16)]))
                 {"master killed": cluster.kill_master, "master frozen": cluster.freeze_master,
-                 "holder killed": lambda: cluster.kill_holder(0), "holder frozen": lambda: cluster.freeze_holder(0)}[fault]()  # fmt: skip
+                 "holder killed": lambda: cluster.kill_holder(0), "holder frozen": lambda: cluster.freeze_holder(0),
+                 "holder frozen, pooled": lambda: cluster.freeze_holder(0)}[fault]()  # fmt: skip
                 for _ in range(2):  # the first call after the fault, then the next one
-                    ok, seconds = _timed(lambda: store.get(keys, [pool.page_view(4 + i) for i in range(4)]))
+                    ok, seconds = _timed(lambda: store.get(keys, [pool.page_view(16 + i) for i in range(16)]))
                     assert not any(ok)
                     out.setdefault(f"{fault}: get fails after (s)", seconds)
                     out[f"{fault}: next get fails after (s)"] = seconds
@@ -134,7 +145,7 @@ def faults(args) -> dict[str, float]:
                     out["holder killed: exists still says present for (s)"] = time.monotonic() - start
                 if fault == "master frozen":
                     cluster.thaw_master()
-                if fault == "holder frozen":
+                if fault.startswith("holder frozen"):
                     cluster.thaw_holder(0)
     pool.close()
     return out

@@ -45,6 +45,7 @@ def test_a_json_file_path_is_read(tmp_path):
         ('{"master_server_address": "h:1", "rpc_timeout_ms": 100.0}', "rpc_timeout_ms"),
         ('{"master_server_address": "h:1", "transfer_timeout_s": 0}', "transfer_timeout_s"),
         ('{"master_server_address": "h:1", "setup_retries": true}', "setup_retries"),
+        ('{"master_server_address": "h:1", "tcp_connection_pool": 1}', "tcp_connection_pool"),
         ('{"master_server_address": "h:1", "global_segment_bytes": -1}', "global_segment_bytes"),
         ('{"master_server_address": "h:1", "local_buffer_bytes": "16MB"}', "local_buffer_bytes"),
         ('{"master_server_address": "h:1", "local_hostname": " "}', "local_hostname"),
@@ -67,7 +68,10 @@ def test_client_env_sets_the_deadlines_and_loopback_binding():
     env = mooncake_env(StoreConfig.parse('{"master_server_address": "127.0.0.1:5", "rpc_timeout_ms": 300, '
                                          '"transfer_timeout_s": 3, "setup_retries": 2}', FLAG))  # fmt: skip
     assert env == {"MC_RPC_TIMEOUT_MS": "300", "MC_STORE_CLIENT_SETUP_RETRIES": "2", "MC_TCP_PROGRESS_TIMEOUT_SEC": "3",
-                   "MC_TCP_STATUS_TIMEOUT_SEC": "3", "MC_TCP_BIND_ADDRESS": "127.0.0.1"}  # fmt: skip
+                   "MC_TCP_STATUS_TIMEOUT_SEC": "3", "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+                   "MC_TCP_ENABLE_CONNECTION_POOL": "0"}  # fmt: skip
+    pooled = StoreConfig.parse('{"master_server_address": "h:1", "tcp_connection_pool": true}', FLAG)
+    assert mooncake_env(pooled)["MC_TCP_ENABLE_CONNECTION_POOL"] == "1"
     named = mooncake_env(StoreConfig("h:1", local_hostname="node7.cluster"))
     assert "MC_TCP_BIND_ADDRESS" not in named  # a DNS name: Mooncake resolves it
     assert mooncake_env(StoreConfig("h:1", local_hostname="localhost"))["MC_TCP_BIND_ADDRESS"] == "127.0.0.1"
