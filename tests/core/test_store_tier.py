@@ -217,3 +217,17 @@ def test_failed_puts_in_a_row_switch_the_store_off_once_and_it_comes_back(caplog
     a.serve(keys(50))
     settle(a)
     assert a.tree.tier_tokens[Tier.STORE] == 6 and len(store) == 3
+
+
+def test_admission_retries_do_not_ask_again_after_a_lookup_found_nothing(cluster):
+    """SGLang retries a skipped request every step: one lookup, one wait, then it runs."""
+    clock, store, a, b = cluster
+    prompt = keys(7)
+    b.cache.match(prompt)
+    assert b.cache.should_wait(prompt)
+    b.step()  # nothing found
+    for _ in range(3):  # the admission retries
+        b.cache.match(prompt)
+        assert not b.cache.should_wait(prompt)
+        b.step()
+    assert b.tiers.store.counts["lookup_pages"] == 3  # asked once
