@@ -19,9 +19,11 @@ What is counted:
 * Hit rate = hit tokens / prompt tokens (all of ``input_length``); also per 512-token block
   (a hit when all its whole pages hit), comparable with the trace's infinite-cache figure
   (36.6% of 288,500 block references). The infinite token figure uses the whole-page rule.
-* Tier of a hit, as hiradix reports it (SGLang's ``cached_tokens_details``): HBM; DRAM
-  (including pages the look-ahead window read from NVMe before admission); NVMe (read on
-  demand at admission). ``DRAM@1st``: share already in DRAM at the first admission attempt.
+* Tier of a hit, as hiradix reports it (SGLang's ``cached_tokens_details``): HBM; DRAM; NVMe
+  (pages read up from NVMe for that request, whether the look-ahead window read them before
+  admission or the request waited; issue 14). Pages read from the cluster store count in the
+  DRAM column and apart (``store_tokens``). ``DRAM@1st``: share already in DRAM at the first
+  admission attempt; ``NVMe wait ms`` tells read-ahead from waiting.
 
 Service model (all configurable): one engine runs one FCFS prefill batch at a time (at most
 ``--max-prefill-tokens`` uncached tokens, at least one request) for ``batch_overhead_s +
@@ -67,9 +69,11 @@ if __package__ in (None, ""):  # run as a script: make `hiradix` and `bench` imp
 from hiradix.core.policy import make_policy  # noqa: E402
 from hiradix.core.prefix_cache import TieredPrefixCache  # noqa: E402
 from hiradix.core.tree import TieredRadixTree, TreeNode  # noqa: E402
+from hiradix.core.node import Tier  # noqa: E402
 from hiradix.testing.sim_ports import (  # noqa: E402
     SimClock,
     SimDevicePool,
+    SimStore,
     next_event_s,
     simulated_controller,
 )
@@ -103,6 +107,10 @@ class SimConfig:
     token_level: bool = False  # page_size ids per page in the tree (else one per page)
     time_scale: float = 1.0  # arrival times are multiplied by this
     check_every_step: bool = False  # books.check_integrity() after every step (slow)
+    # The cluster store (bench/simulate_cluster.py): transfer rates and the latency of one lookup.
+    store_read_bytes_per_s: float = 10e9  # store -> DRAM (RDMA-class network)
+    store_write_bytes_per_s: float = 10e9  # DRAM -> store
+    store_query_s: float = 0.0005  # one batched exists
 
     def __post_init__(self) -> None:
         if not 1 <= self.page_size <= BLOCK_TOKENS or BLOCK_TOKENS % self.page_size:
@@ -234,6 +242,7 @@ class Counters:
 
     prompt_tokens: int = 0
     hit_tokens: list = field(default_factory=lambda: [0, 0, 0])  # from HBM, DRAM, NVMe
+    store_tokens: int = 0  # of the DRAM hits, tokens read from the cluster store (another server's KV)
     strict_dram_tokens: int = 0  # hits already in DRAM at the first admission attempt
     block_refs: int = 0
     block_hits: int = 0
@@ -257,10 +266,11 @@ class Engine:
         policy: "lru" or "lookahead".
     """
 
-    def __init__(self, trace: Sequence[TraceRequest], cfg: SimConfig, lowest_tier: str, policy: str):
+    def __init__(self, trace: Sequence[TraceRequest], cfg: SimConfig, lowest_tier: str, policy: str,
+                 clock: Optional[SimClock] = None, store: Optional[SimStore] = None):
         self.trace, self.cfg = trace, cfg
         u = cfg.unit_tokens
-        self.clock = SimClock()
+        self.clock = clock or SimClock()  # shared by the servers of a simulated cluster
         tree_ps = cfg.page_size // u
         self.tree = TieredRadixTree(tree_ps, make_policy(policy), clock=self.clock)
         tiers = None
@@ -270,6 +280,8 @@ class Engine:
                 self.tree, cfg.dram_tokens // cfg.page_size, nvme_pages, cfg.page_bytes, cfg.write_through, self.clock,
                 read_s_per_page=cfg.page_bytes / cfg.nvme_read_bytes_per_s,
                 write_s_per_page=cfg.page_bytes / cfg.nvme_write_bytes_per_s,
+                store=store, store_read_s_per_page=cfg.page_bytes / cfg.store_read_bytes_per_s,
+                store_write_s_per_page=cfg.page_bytes / cfg.store_write_bytes_per_s, store_query_s=cfg.store_query_s,
                 write_selective=cfg.write_selective, dram_staging=cfg.dram_staging,
             )  # fmt: skip
         device = SimDevicePool(cfg.hbm_tokens // u, tree_ps)
@@ -384,7 +396,8 @@ class Engine:
             return False
         back = cache.load_back(m.hbm_node, m.dram_node, m.dram_len)
         loaded, last = back.loaded, back.node
-        storage = sum(back.read_from.values())  # read up from NVMe (or the store) for this use
+        storage = back.read_from[Tier.NVME]  # read up from NVMe for this use, ahead or waited for (as the server reports)
+        self.counters.store_tokens += back.read_from[Tier.STORE] * self.cfg.unit_tokens
         if last is not m.hbm_node:
             tree.inc_lock(last)
             tree.dec_lock(m.hbm_node)

@@ -46,7 +46,7 @@ import psutil
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PORT_RANGE: tuple[int, int] = (33000, 33099)  # inclusive
+DEFAULT_PORT_RANGE: tuple[int, int] = (20000, 29999)  # inclusive; wide, so that servers of concurrent test runs rarely collide
 _PORTS_HANDED_OUT: set[int] = set()  # ports picked by this process (not yet bound by SGLang)
 
 
@@ -276,7 +276,7 @@ class ServerProcess:
                     f"sglang exited with code {code} before becoming healthy; log {self.log_path}:\n"
                     + self.log_tail()
                 )
-            if self.is_healthy():
+            if self.is_healthy() and self._listens_on_port():
                 self.startup_s = time.monotonic() - self._spawn_t
                 logger.info("sglang on %s healthy after %.1f s", self.base_url, self.startup_s)
                 return
@@ -286,6 +286,18 @@ class ServerProcess:
                     f"log {self.log_path}:\n" + self.log_tail()
                 )
             time.sleep(poll_s)
+
+    def _listens_on_port(self) -> bool:
+        """Whether the answer came from this server: one of its processes listens on the port
+        (another process that took the port before SGLang bound it may answer /health too)."""
+        for proc in [psutil.Process(self._proc.pid), *self.descendants()]:
+            try:
+                if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == self.port
+                       for c in proc.net_connections(kind="tcp")):
+                    return True
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return False
 
     def is_healthy(self, timeout_s: float = 5.0) -> bool:
         """True if `GET /health` answers 200 now."""

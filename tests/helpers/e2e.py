@@ -22,13 +22,15 @@ TOPICS = ["rivers", "compilers", "gardens", "trains", "music", "ice", "clouds", 
           "glass", "paper", "wolves", "tea", "bridges", "moons", "tides", "copper", "wheat", "owls"]  # fmt: skip
 
 
-def chat(base_url: str, messages: list[dict], max_tokens: int = 12) -> dict:
+def chat(base_url: str, messages: list[dict], max_tokens: int = 12, **extra) -> dict:
+    """One greedy chat completion; ``extra`` goes into the body (e.g. ``cache_salt``)."""
     body = {
         "model": "default",
         "messages": messages,
         "temperature": 0,
         "max_tokens": max_tokens,
         "return_cached_tokens_details": True,
+        **extra,
     }
     req = urllib.request.Request(
         f"{base_url}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
