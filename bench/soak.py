@@ -54,6 +54,7 @@ if __package__ in (None, ""):  # run as a file: python bench/soak.py
 
 from bench.conversations import Session, load_sessions
 from bench.multiturn import RequestRecord, WorkloadConfig, fetch_model_id, send_chat_request
+from hiradix.runtime.metrics import TIERS as METRIC_TIERS
 from hiradix.testing.resources import TreeUsage, dir_modes, private_mode_problems, tree_usage
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
 from hiradix.tiers.files import default_shm_dir
@@ -427,7 +428,7 @@ async def flush_and_read(base_url: str, config: SoakConfig, scanner: LogScanner,
     for key in ("dram_pages_used", "nvme_slots_used"):
         if report.summary_after_flush.get(key, 0) != 0:
             report.violations.append(f"after /flush_cache {key} = {report.summary_after_flush[key]}, expected 0")
-    if set(report.tier_tokens_after_flush) != {"HBM", "DRAM", "NVMe"}:
+    if set(report.tier_tokens_after_flush) != set(METRIC_TIERS):
         report.violations.append(f"sglang:hiradix_tier_used_tokens gauges missing: {report.tier_tokens_after_flush}")
     for tier, tokens in report.tier_tokens_after_flush.items():
         if tokens != 0:

@@ -162,7 +162,7 @@ def test_soak_two_minutes_returns_to_baseline(tiny_model, tmp_path):
     assert report["periodic_checks"] >= 8 and len(report["rss_samples"]) == report["periodic_checks"]
     assert report["log_errors"] == []
     # After /flush_cache every tier is empty, also in the books.
-    assert report["tier_tokens_after_flush"] == {"HBM": 0.0, "DRAM": 0.0, "NVMe": 0.0}
+    assert report["tier_tokens_after_flush"] == {"HBM": 0.0, "DRAM": 0.0, "NVMe": 0.0, "store": 0.0}
     summary = report["summary_after_flush"]
     assert summary["dram_pages_used"] == 0 and summary["nvme_slots_used"] == 0 and summary["nvme_slots"] > 0
     # Everything returned to the baseline; the private directories stayed private.

@@ -866,7 +866,7 @@ def test_config_reaches_the_scheduler(venv_python, cpu_env, cpu_flags, tiny_mode
     output = watch_server(venv_python, args, cpu_env, tmp_path, "hiradix: building the cache", 180)
     summary = (
         "policy=lookahead, lookahead_window=64, write_policy=write_through, "
-        f"dram_bytes=500000000, nvme={nvme} (250000000 bytes), load_timeout_s=2"
+        f"dram_bytes=500000000, dram_mode=cache, nvme={nvme} (250000000 bytes), store=off, load_timeout_s=2"
     )
     assert f"hiradix: enabled ({summary}, page_size=16)" in output, output[-4000:]
     assert output.count("hiradix: enabled") == 1  # checked once, not again in children
