@@ -65,7 +65,7 @@ def plan(
     reclaimable = free_dram_pages
     if reclaimable < enough:
         for n in tree.candidates(Tier.DRAM):
-            if n.num_tiers > 1 and n.id not in view.needed_at:
+            if n.num_local_tiers > 1 and n.id not in view.needed_at:
                 reclaimable += len(n.dram_pages)
                 if reclaimable >= enough:
                     break

@@ -406,9 +406,10 @@ class TieredRadixTree:
     def plan_evict(self, tier: Tier, num_pages: int, allow_sole: bool) -> list[TreeNode]:
         """Choose copies of ``tier`` (DRAM or NVMe) to drop so ``num_pages`` pages come free.
 
-        Read-only: nothing changes. Policy order within two passes: copies another tier also
-        holds first; then, if ``allow_sole``, last copies, each node after its children in this
-        tier (dropping a last copy deletes the node, which may make its parent a leaf).
+        Read-only: nothing changes. Policy order within two passes: copies another local tier
+        also holds first; then, if ``allow_sole``, last local copies (a store copy is only a
+        hint), each node after its children in this tier (dropping a last copy deletes the
+        node, which may make its parent a leaf).
 
         Returns:
             The nodes, in the order to drop them (children before parents): just enough for
@@ -418,7 +419,7 @@ class TieredRadixTree:
         cands = self._candidates[tier]
         chosen: list[TreeNode] = []
         freed = 0
-        for node in sorted((n for n in cands if n.num_tiers > 1), key=lambda n: (key(n, tier), n.id)):
+        for node in sorted((n for n in cands if n.num_local_tiers > 1), key=lambda n: (key(n, tier), n.id)):
             if freed >= num_pages:
                 return chosen
             chosen.append(node)
@@ -426,7 +427,7 @@ class TieredRadixTree:
         if freed >= num_pages or not allow_sole:
             return chosen
         gone: set[TreeNode] = set()
-        heap = [(key(n, tier), n.id, n) for n in cands if n.num_tiers == 1]
+        heap = [(key(n, tier), n.id, n) for n in cands if n.num_local_tiers == 1]
         heapq.heapify(heap)
         while heap and freed < num_pages:
             _, _, node = heapq.heappop(heap)
