@@ -162,6 +162,28 @@ class TieredRadixTree:
         return TreeMatch(lens[0], ends[0], lens[1], ends[1], lens[2], ends[2], tuple(nodes), last,
                          store_len=lens[3], store_node=ends[3], matched_len=matched)
 
+    def summarize(self, nodes: Sequence[TreeNode], matched: int) -> TreeMatch:
+        """The :class:`TreeMatch` of a path of ``matched`` tokens (read-only; see :meth:`match`)."""
+        return self._summarize(list(nodes), matched)
+
+    def path_unchanged(self, nodes: Sequence[TreeNode], tokens: Sequence[int], matched: int,
+                       namespace: Optional[tuple] = None) -> bool:
+        """Whether a peek of ``tokens`` that matched ``nodes`` (``matched`` tokens) would still
+        match them: no node on the path was split or deleted, and none was added after it.
+
+        O(len(nodes)): a split or a deletion changes some node's ``parent``; a new node after a
+        path that ended on a node boundary is a child for the next page.
+        """
+        parent, total = self.root, 0
+        for node in nodes:
+            if node.parent is not parent:
+                return False
+            parent, total = node, total + node.num_tokens
+        if total > matched:
+            return True  # the peek ended inside the last node
+        limit = len(tokens) - len(tokens) % self.page_size
+        return matched >= limit or self._child_key(parent, tokens, matched, namespace) not in parent.children
+
     def touch(self, tokens: Sequence[int], namespace: Optional[tuple] = None) -> None:
         """Refresh recency along the cached path of ``tokens`` without splitting."""
         self.match(tokens, namespace, split=False, touch=True)
