@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 
 def start_worker(dram: DramPool, nvme_dir: Optional[Path], nvme_slots: int, shm_dir: Path, io_backend: str,
-                 keep: bool = False, store_backend: str = "", store_config: str = "") -> IOWorkerClient:
+                 keep: bool = False, store_backend: str = "", store_config: str = "", tp_rank: int = 0) -> IOWorkerClient:
     """Create (``keep``: reuse) the NVMe slot file and spawn this rank's I/O worker over it and
     over the cluster store (``store_backend``), either of which may be absent.
 
@@ -64,6 +64,7 @@ def start_worker(dram: DramPool, nvme_dir: Optional[Path], nvme_slots: int, shm_
         parent_pid=os.getpid(),
         store_backend=store_backend,
         store_config=store_config,
+        tp_rank=tp_rank,
     )
     client = IOWorkerClient(spec)
     client.start()
@@ -134,7 +135,8 @@ def build_tiers(
         key_prefix = store_key_prefix(identity["model_id"], identity["model_dtype"], layout, tp_rank, identity["tp_size"])
     if nvme_slots > 0 or key_prefix is not None:
         client = start_worker(dram, nvme_dir, nvme_slots, shm_dir, io_backend, keep=index is not None and index.reused,
-                              store_backend=config.store_backend or "", store_config=config.store_config)
+                              store_backend=config.store_backend or "", store_config=config.store_config,
+                              tp_rank=tp_rank)
     books = TierBooks(tree, dram_pages, nvme_slots)
     loader = LayerwiseLoader(layout.num_layers, kv_pool.k_buffer[0].device, counter_factory)
     mover = HostMover(kv_pool, dram, loader)
