@@ -405,24 +405,23 @@ class TieredRadixTree:
         return delta
 
     # ---------------------------------------------------------------- evict
-    def victims(self, tier: Tier, redundant_only: bool = False) -> Iterator[TreeNode]:
+    def victims(self, tier: Tier) -> Iterator[TreeNode]:
         """Eviction candidates of ``tier`` in policy order, re-checked lazily.
 
-        The caller detaches (or demotes) each yielded node before asking for the next;
-        a parent that becomes a candidate meanwhile is yielded in its turn.
-        ``redundant_only`` yields only nodes that another tier also holds.
+        The caller detaches (or backs up) each yielded node before asking for the next; a
+        parent that becomes a candidate meanwhile is yielded in its turn.
         """
         key = self.policy.priority
         cands = self._candidates[tier]
-        heap = [(key(n, tier), n.id, n) for n in cands if not redundant_only or n.num_tiers > 1]
+        heap = [(key(n, tier), n.id, n) for n in cands]
         heapq.heapify(heap)
         while heap:
             _, _, node = heapq.heappop(heap)
-            if node not in cands or (redundant_only and node.num_tiers < 2):
+            if node not in cands:
                 continue
             parent = node.parent
             yield node
-            if parent is not None and parent in cands and (not redundant_only or parent.num_tiers > 1):
+            if parent is not None and parent in cands:
                 heapq.heappush(heap, (key(parent, tier), parent.id, parent))
 
     def plan_evict(self, tier: Tier, num_pages: int, allow_sole: bool) -> list[TreeNode]:

@@ -82,6 +82,19 @@ def _open_index(nvme_dir: Path, identity: dict, layout: KVLayout, tp_rank: int, 
     return NvmeIndex.open(nvme_dir, fingerprint, nvme_slots, page_size)
 
 
+def _nvme_tier(config: Any, layout: KVLayout, tp_rank: int, page_size: int, identity: Optional[dict]):
+    """``(dir, slots, lock fd, index, persisted pages)`` of this rank's NVMe tier (0 slots: none)."""
+    if config.nvme_bytes <= 0:
+        return None, 0, -1, None, []
+    nvme_slots = config.nvme_bytes // slot_bytes_for(layout.page_bytes)
+    nvme_dir = Path(config.nvme_path) / f"hiradix-rank{tp_rank}"
+    lock_fd = lock_dir(nvme_dir)  # also makes it private (0700)
+    index, pages = None, []
+    if identity is not None:
+        index, pages = _open_index(nvme_dir, identity, layout, tp_rank, nvme_slots, page_size)
+    return nvme_dir, nvme_slots, lock_fd, index, pages
+
+
 def build_tiers(
     tree: TieredRadixTree,
     config: Any,
@@ -121,18 +134,13 @@ def build_tiers(
     ensure_private_dir(shm_dir)  # 0700: it holds the worker's socket directory
     dram_pages = num_pages_for_bytes(config.dram_bytes, layout)
     dram = DramPool.create_anonymous(layout, dram_pages)
-    client, nvme_dir, nvme_slots, lock_fd, index, pages = None, None, 0, -1, None, []
-    if config.nvme_bytes > 0:
-        nvme_slots = config.nvme_bytes // slot_bytes_for(layout.page_bytes)
-        nvme_dir = Path(config.nvme_path) / f"hiradix-rank{tp_rank}"
-        lock_fd = lock_dir(nvme_dir)  # also makes it private (0700)
-        if identity is not None:
-            index, pages = _open_index(nvme_dir, identity, layout, tp_rank, nvme_slots, page_size)
+    nvme_dir, nvme_slots, lock_fd, index, pages = _nvme_tier(config, layout, tp_rank, page_size, identity)
     key_prefix = None
     if config.has_store_tier:
         if identity is None:
             raise ValueError("the cluster store needs the model identity for its keys")
         key_prefix = store_key_prefix(identity["model_id"], identity["model_dtype"], layout, tp_rank, identity["tp_size"])
+    client = None
     if nvme_slots > 0 or key_prefix is not None:
         client = start_worker(dram, nvme_dir, nvme_slots, shm_dir, io_backend, keep=index is not None and index.reused,
                               store_backend=config.store_backend or "", store_config=config.store_config,
