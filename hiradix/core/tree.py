@@ -555,50 +555,14 @@ class TieredRadixTree:
         Raises:
             IntegrityError: naming the first broken invariant.
         """
-        evictable = protected = 0
-        tier_tokens = [0] * NUM_TIERS
-        seen_slots: set[int] = set()
-        cands: list[set] = [set() for _ in Tier]
-        sole: list[set] = [set() for _ in Tier]
-        for node in self.iter_nodes():
-            self._check_node(node, seen_slots)
-            tiers = node.tiers()
-            if len(tiers) == 1:
-                sole[tiers[0]].add(node)
-            for tier in tiers:
-                tier_tokens[tier] += node.num_tokens
-                if self._is_candidate(node, tier):
-                    cands[tier].add(node)
-            if node.hbm_slots is not None:
-                if node.lock_ref > 0:
-                    protected += node.num_tokens
-                else:
-                    evictable += node.num_tokens
-        require(evictable == self.hbm_evictable_tokens, f"HBM evictable {self.hbm_evictable_tokens} != recount {evictable}")
-        require(protected == self.hbm_protected_tokens, f"HBM protected {self.hbm_protected_tokens} != recount {protected}")
-        require(tier_tokens == self.tier_tokens, f"tier tokens {self.tier_tokens} != recount {tier_tokens}")
-        for tier in Tier:
-            extra, missing = self._candidates[tier] - cands[tier], cands[tier] - self._candidates[tier]
-            require(not extra and not missing, f"{tier.name} candidates differ: extra={extra} missing={missing}")
-            require(sole[tier] == self._sole[tier], f"{tier.name} sole-copy set differs")
+        from hiradix.core.tree_integrity import check_tree
 
-    def _check_node(self, node: TreeNode, seen_slots: set[int]) -> None:
-        ps, parent = self.page_size, node.parent
-        require(parent is not None and parent.children.get(self._key_in_parent(node)) is node, f"{node} not indexed by its parent")
-        require(node.num_tokens > 0 and node.num_tokens % ps == 0, f"{node} key not page-aligned")
-        require(bool(node.tiers()), f"{node} is held by no tier")
-        require(node.namespace == parent.namespace or parent is self.root, f"{node} namespace differs from parent")
-        child_locks = sum(c.lock_ref for c in node.children.values())
-        require(node.lock_ref >= child_locks, f"{node} lock_ref {node.lock_ref} < children's {child_locks}")
-        if node.lock_ref > 0:
-            require(node.hbm_slots is not None, f"{node} locked but not in HBM")
-        if node.hbm_slots is not None:
-            require(parent is self.root or parent.hbm_slots is not None, f"{node} in HBM but parent {parent} is not")
-            require(len(node.hbm_slots) == node.num_tokens, f"{node} has {len(node.hbm_slots)} HBM slots")
-            slots = node.hbm_slots.tolist() if hasattr(node.hbm_slots, "tolist") else list(node.hbm_slots)
-            before = len(seen_slots)
-            seen_slots.update(slots)
-            require(len(seen_slots) - before == len(slots), f"{node} shares an HBM slot with another node")
-        for pages in (node.dram_pages, node.nvme_slots, node.store_keys):
-            if pages is not None:
-                require(len(pages) == node.num_tokens // ps, f"{node} has {len(pages)} pages for {node.num_tokens} tokens")
+        check_tree(self)
+
+    def is_candidate(self, node: TreeNode, tier: Tier) -> bool:
+        """Whether ``node``'s copy in ``tier`` may be evicted now (the rule behind :meth:`candidates`)."""
+        return self._is_candidate(node, tier)
+
+    def key_in_parent(self, node: TreeNode) -> tuple:
+        """The key ``node`` is indexed by in its parent's children."""
+        return self._key_in_parent(node)
