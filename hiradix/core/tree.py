@@ -33,7 +33,7 @@ import time
 from array import array
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from hiradix.core.node import NUM_TIERS, IntegrityError, Tier, TreeMatch, TreeNode, require
+from hiradix.core.node import NUM_TIERS, IntegrityError, Tier, TreeMatch, TreeNode
 from hiradix.core.policy import EvictionPolicy, LRUPolicy
 
 __all__ = ["IntegrityError", "Tier", "TieredRadixTree", "TreeMatch", "TreeNode"]

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from hiradix.dataplane.layout import KVLayout
-from hiradix.tiers.files import default_shm_dir, ensure_private_dir  # noqa: F401 - re-exported
+from hiradix.tiers.files import ensure_private_dir
 
 logger = logging.getLogger(__name__)
 
