@@ -145,7 +145,7 @@ class LayerLoad:
         self.device = token_slots.device
         self._pool = dram_tensor if source is None else source
         self._slots = token_slots.to(dtype=torch.int64).view(self.num_pages, layout.page_size)
-        self._ids = ids.to(self.device) if path == "gather" else None
+        self._ids = _to_device(ids, self.device) if path == "gather" else None
         self._runs = layer_runs(ids.tolist(), layout) if path == "runs" else []
         self._staging: Optional[torch.Tensor] = None  # made at the first copy, on the copying stream
 
@@ -184,6 +184,17 @@ class LayerLoad:
         halves = staging.view(n, 2, layout.page_size, -1)  # (n, K/V, tokens, row words)
         _words(kv_layout._rows(k_buffer), layout).index_put_((self._slots,), halves[:, 0])
         _words(kv_layout._rows(v_buffer), layout).index_put_((self._slots,), halves[:, 1])
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small CPU tensor on ``device`` without a host stall: through pinned memory, ``non_blocking``.
+
+    A plain ``.to(device)`` of pageable memory synchronizes the current stream, i.e. waits for the
+    forward queued on it; the pinned copy only orders after it.
+    """
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def mapped_view(dram_tensor: torch.Tensor, device: torch.device) -> tuple[Optional[torch.Tensor], str]:
