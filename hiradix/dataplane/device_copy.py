@@ -144,7 +144,7 @@ class LayerLoad:
         self.layout, self.path = layout, path
         self.device = token_slots.device
         self._pool = dram_tensor if source is None else source
-        self._slots = token_slots.to(dtype=torch.int64).view(self.num_pages, layout.page_size)
+        self._slots = token_slots.to(dtype=torch.int64).reshape(self.num_pages, layout.page_size)
         self._ids = _to_device(ids, self.device) if path == "gather" else None
         self._runs = layer_runs(ids.tolist(), layout) if path == "runs" else []
         self._staging: Optional[torch.Tensor] = None  # made at the first copy, on the copying stream

@@ -31,8 +31,8 @@ from gpu_checks.common import Ctx, _device, _llama_cfg, _median, _r, _sync, ensu
 class _Variant:
     """How one variant starts a batch's load (returns the producer index) and drains it."""
 
-    def __init__(self, start: Callable[[], int], drain: Callable[[], None], loader: Any):
-        self.start, self.drain, self.loader = start, drain, loader
+    def __init__(self, start: Callable[[], int], drain: Callable[[], None], loader: Any, path: str):
+        self.start, self.drain, self.loader, self.path = start, drain, loader, path
 
 
 def _setup(ctx: Ctx, dev, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -98,7 +98,7 @@ def _variants(dev, s: dict[str, Any], counter) -> dict[str, _Variant]:
             mover.flush()
             mover.drop_pending()
 
-        return _Variant(start, drain, loader)
+        return _Variant(start, drain, loader, mover.load_path)  # the path it really took
 
     if dev.type == "cuda" and s["pinned"].cuda_pinned:
         out["gather_pinned"] = via_mover(s["pinned"], "gather")
@@ -121,7 +121,7 @@ def _variants(dev, s: dict[str, Any], counter) -> dict[str, _Variant]:
         loader.finished()
         loader.reset()
 
-    out["limit_memcpy_pinned"] = _Variant(limit_start, limit_drain, loader)
+    out["limit_memcpy_pinned"] = _Variant(limit_start, limit_drain, loader, "memcpy")
     s["limit_buffers"] = (stage, target)
     return out
 
@@ -201,7 +201,7 @@ def _measure(ctx: Ctx, dev, name: str, var: _Variant, s: dict[str, Any], timing:
              share_s: float) -> dict[str, Any]:
     """Bit-exactness, then load alone and overlapped, repetitions fitted into ``share_s``."""
     L = s["layout"].num_layers
-    v: dict[str, Any] = {}
+    v: dict[str, Any] = {"path": var.path}
     is_limit = name.startswith("limit")  # the limit copies other bytes; nothing to verify
     if not is_limit:
         for b in s["k"] + s["v"]:

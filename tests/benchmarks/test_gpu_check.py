@@ -125,6 +125,8 @@ def test_cpu_dry_run_exercises_every_check(tmp_path):
         if name != "limit_memcpy_pinned":
             assert v["verified_after_overlap"], name
     assert lw["variants"]["limit_memcpy_pinned"]["share_of_memcpy_GBps"] == 1.0
+    assert [lw["variants"][n]["path"] for n in ("gather_pinned", "runs_pinned", "host_pageable")] == [
+        "gather", "runs", "host"]
     assert lw["auto_path"]["path"] == "host" and lw["pinned"] is False
     assert lw["store"]["status"] == "ok" and lw["store"]["d2h_copies"] >= 1
     nv = checks["nvme"]
