@@ -5,8 +5,9 @@ HBM), chosen once per process by :func:`choose_load_path`:
 
 - ``gather``: the pinned pool is mapped into the device's address space (UVA), so one
   ``index_select`` kernel reads the ``n`` layer extents (``layout.layer_page_bytes`` each)
-  over PCIe straight into a device staging buffer, and two ``index_put_`` kernels scatter K
-  and V into the token slots. No host work per page. The role of SGLang HiCache's ``kernel``
+  over PCIe straight into a device staging buffer (``LOAD_STAGING_BYTES`` at most; larger
+  batches go in chunks), and two ``index_put_`` kernels scatter K and V into the token slots.
+  No host work per page. The role of SGLang HiCache's ``kernel``
   I/O backend (``transfer_kv_per_layer``, ``pool_host/mha.py``), with torch kernels.
 - ``runs``: the pool is pinned but kernels may not read it: one ``non_blocking`` H2D copy per
   contiguous DRAM extent of the layer (:func:`layer_runs`) into the staging buffer (DMA by the
@@ -36,6 +37,9 @@ from hiradix.dataplane.layout import KVLayout
 logger = logging.getLogger(__name__)
 
 LOAD_PATHS = ("gather", "runs", "host")
+# Device staging of one DRAM -> HBM layer copy, at most (bytes): a larger batch is copied in
+# chunks of pages, so a load never holds more than this much device memory outside SGLang's pool.
+LOAD_STAGING_BYTES = 64 << 20
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}  # integer views, widest first
 
 
@@ -146,13 +150,16 @@ class LayerLoad:
         self._pool = dram_tensor if source is None else source
         self._slots = token_slots.to(dtype=torch.int64).reshape(self.num_pages, layout.page_size)
         self._ids = _to_device(ids, self.device) if path == "gather" else None
-        self._runs = layer_runs(ids.tolist(), layout) if path == "runs" else []
+        step = max(1, LOAD_STAGING_BYTES // layout.layer_page_bytes)
+        self._chunks = [(a, min(a + step, self.num_pages)) for a in range(0, self.num_pages, step)]
+        page_list = ids.tolist()
+        self._runs = [layer_runs(page_list[a:b], layout) if path == "runs" else [] for a, b in self._chunks]
         self._staging: Optional[torch.Tensor] = None  # made at the first copy, on the copying stream
 
     @property
     def copies_per_layer(self) -> int:
-        """Copy calls (H2D copies for ``runs``, one gather kernel for ``gather``) per layer."""
-        return len(self._runs) if self.path == "runs" else 1
+        """Copy calls per layer: H2D copies for ``runs``, gather kernels (one per chunk) for ``gather``."""
+        return sum(map(len, self._runs)) if self.path == "runs" else len(self._chunks)
 
     def copy_layer(self, layer: int, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> None:
         """Enqueue layer ``layer`` on the current stream: gather into staging, scatter into K/V.
@@ -162,28 +169,31 @@ class LayerLoad:
             k_buffer: ``(pool_rows, H, D)`` of ``layout.dtype`` (``MHATokenToKVPool.k_buffer[layer]``).
             v_buffer: same for V.
         """
-        layout, n = self.layout, self.num_pages
+        layout = self.layout
         if not 0 <= layer < layout.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {layout.num_layers})")
-        src = _layer_rows(self._pool, layer, layout)  # (N, E) words
-        if self._staging is None:
-            self._staging = torch.empty((n, src.shape[1]), dtype=src.dtype, device=self.device)
-        staging = self._staging
-        if self.path == "gather":
-            torch.index_select(src, 0, self._ids, out=staging)
-        else:
-            for index, first, length in self._runs:
-                staging[index : index + length].copy_(src[first : first + length], non_blocking=True)
-        self._scatter(staging, k_buffer, v_buffer)
-
-    def _scatter(self, staging: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> None:
-        """K then V halves of each staged page into the token slots (two ``index_put_`` kernels)."""
-        layout, n = self.layout, self.num_pages
         for what, buf in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
             kv_layout._check_device_buffer(buf, layout, what)
-        halves = staging.view(n, 2, layout.page_size, -1)  # (n, K/V, tokens, row words)
-        _words(kv_layout._rows(k_buffer), layout).index_put_((self._slots,), halves[:, 0])
-        _words(kv_layout._rows(v_buffer), layout).index_put_((self._slots,), halves[:, 1])
+        src = _layer_rows(self._pool, layer, layout)  # (N, E) words
+        if self._staging is None:
+            rows = self._chunks[0][1] if self._chunks else 0
+            self._staging = torch.empty((rows, src.shape[1]), dtype=src.dtype, device=self.device)
+        for (a, b), runs in zip(self._chunks, self._runs):
+            staging = self._staging[: b - a]
+            if self.path == "gather":
+                torch.index_select(src, 0, self._ids[a:b], out=staging)
+            else:
+                for index, first, length in runs:
+                    staging[index : index + length].copy_(src[first : first + length], non_blocking=True)
+            self._scatter(staging, self._slots[a:b], k_buffer, v_buffer)
+
+    def _scatter(self, staging: torch.Tensor, slots: torch.Tensor, k_buffer: torch.Tensor,
+                 v_buffer: torch.Tensor) -> None:
+        """K then V halves of each staged page into its token slots (two ``index_put_`` kernels)."""
+        layout = self.layout
+        halves = staging.view(staging.shape[0], 2, layout.page_size, -1)  # (c, K/V, tokens, row words)
+        _words(kv_layout._rows(k_buffer), layout).index_put_((slots,), halves[:, 0])
+        _words(kv_layout._rows(v_buffer), layout).index_put_((slots,), halves[:, 1])
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

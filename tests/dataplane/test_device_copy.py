@@ -229,3 +229,21 @@ def test_word_sized_copies_keep_every_byte(dtype, heads, head_dim, word, page_ma
     store_pages(k_want, v_want, slots, want, [9, 0, 3], layout)
     store_pages_async(k_want, v_want, slots, got, [9, 0, 3], layout)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("path", ["gather", "runs"])
+def test_a_large_batch_is_copied_in_chunks_of_staging(layout, dram, path, monkeypatch):
+    monkeypatch.setattr(device_copy, "LOAD_STAGING_BYTES", 2 * layout.layer_page_bytes)  # 2 pages a chunk
+    gen = torch.Generator().manual_seed(13)
+    page_ids = [2, 3, 4, 8, 0]  # chunks [2, 3] [4, 8] [0]: the run 2-4 is cut at a chunk boundary
+    slots = slots_of([1, 9, 10, 4, 7], gen)
+    k_want, v_want = buffers(3)
+    k_got, v_got = buffers(3)
+    load = LayerLoad(dram, page_ids, slots, layout, path, source=dram if path == "gather" else None)
+    assert load.copies_per_layer == {"gather": 3, "runs": 5 if layout.page_major else 4}[path]
+    for layer in range(L):
+        load_layer(k_want[layer], v_want[layer], layer, dram, page_ids, slots, layout)
+        load.copy_layer(layer, k_got[layer], v_got[layer])
+        assert torch.equal(bits(k_got[layer]), bits(k_want[layer]))
+        assert torch.equal(bits(v_got[layer]), bits(v_want[layer]))
+    assert load._staging.shape[0] == 2
