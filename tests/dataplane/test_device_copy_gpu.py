@@ -214,3 +214,22 @@ def test_read_slots_to_device(tmp_path, path):
             assert np.array_equal(got[i], written[slot] if ok[i] else np.full(page_bytes, 0xA5, np.uint8))
     finally:
         store.close()
+
+
+def test_build_tiers_pins_the_dram_tier_of_a_gpu_pool(layout):
+    from hiradix.config import HiRadixConfig
+    from hiradix.core.tree import TieredRadixTree
+    from hiradix.runtime.assembly import build_tiers
+
+    k = [torch.zeros((DEVICE_PAGES * PS, H, D), dtype=torch.bfloat16, device="cuda") for _ in range(L)]
+    kv_pool = types.SimpleNamespace(k_buffer=k, v_buffer=[torch.zeros_like(b) for b in k], head_num=H, head_dim=D,
+                                    v_head_dim=D, layer_num=L, dtype=torch.bfloat16, store_dtype=torch.bfloat16)
+    config = HiRadixConfig(dram_bytes=8 * layout.page_bytes, policy="lru")
+    tiers, loader = build_tiers(TieredRadixTree(PS), config, kv_pool, PS, counter_factory=counter_factory())
+    try:
+        assert loader.cuda
+        assert tiers.mover.dram.cuda_pinned, tiers.mover.dram.pin_failure
+        assert tiers.mover.load_path in ("gather", "runs")
+    finally:
+        tiers.close()
+    assert not tiers.mover.dram.cuda_pinned  # unregistered when the tiers closed
