@@ -78,7 +78,10 @@ class HostMover:
                 raise ValueError(f"unknown load path {forced!r}; choose one of {device_copy.LOAD_PATHS}")
             path, reason = forced, "forced"
         if path == "gather":
-            self._source, why = (self.dram.tensor, "CPU") if not self.cuda else device_copy.mapped_view(self.dram.tensor, device)
+            if self.cuda:
+                self._source, why = device_copy.mapped_view(self.dram.tensor, device)
+            else:  # CPU tests and gpu_check's dry run: the pool is its own "device view"
+                self._source, why = self.dram.tensor, "CPU"
             if self._source is None:
                 path, reason = "runs", f"pinned DRAM cannot be mapped ({why}): one DMA copy per contiguous extent"
         if self.cuda:
