@@ -1,9 +1,10 @@
 """Assembly of one scheduler process's tiers: media, I/O worker, movers, locks, rank agreement.
 
 :func:`build_tiers` makes the real :class:`hiradix.core.controller.TierController` of one TP
-rank: an anonymous shared-memory DRAM pool, an NVMe slot file served by a spawned I/O worker
-(with its durable index, re-indexed into the tree at start), the in-process host mover and the
-layer-wise loader, and the TP agreement over SGLang's CPU group. Process-level setup happens
+rank: an anonymous shared-memory DRAM pool (pinned for CUDA when the device pool is on a GPU),
+an NVMe slot file served by a spawned I/O worker (with its durable index, re-indexed into the
+tree at start), the in-process host mover and the layer-wise loader, and the TP agreement over
+SGLang's CPU group. Process-level setup happens
 here and only here: removing socket directories of dead schedulers, locking the NVMe
 directory against a second server, spawning the worker.
 """
@@ -134,6 +135,9 @@ def build_tiers(
     ensure_private_dir(shm_dir)  # 0700: it holds the worker's socket directory
     dram_pages = num_pages_for_bytes(config.dram_bytes, layout)
     dram = DramPool.create_anonymous(layout, dram_pages)
+    device = kv_pool.k_buffer[0].device
+    if device.type == "cuda":
+        dram.pin_for_cuda()  # False (one warning): the pool stays pageable and copies stay correct
     nvme_dir, nvme_slots, lock_fd, index, pages = _nvme_tier(config, layout, tp_rank, page_size, identity)
     key_prefix = None
     if config.has_store_tier:
@@ -146,7 +150,7 @@ def build_tiers(
                               store_backend=config.store_backend or "", store_config=config.store_config,
                               tp_rank=tp_rank)
     books = TierBooks(tree, dram_pages, nvme_slots)
-    loader = LayerwiseLoader(layout.num_layers, kv_pool.k_buffer[0].device, counter_factory)
+    loader = LayerwiseLoader(layout.num_layers, device, counter_factory)
     mover = HostMover(kv_pool, dram, loader)
     multi_rank = tp_group is not None and torch.distributed.get_world_size(tp_group) > 1
     journal = IndexJournal(index, tree) if index is not None else None
