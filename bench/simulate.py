@@ -67,6 +67,7 @@ if __package__ in (None, ""):  # run as a script: make `hiradix` and `bench` imp
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hiradix.core.policy import make_policy  # noqa: E402
+from hiradix.core.lookahead import QueuedKey  # noqa: E402
 from hiradix.core.prefix_cache import TieredPrefixCache  # noqa: E402
 from hiradix.core.tree import TieredRadixTree, TreeNode  # noqa: E402
 from hiradix.core.node import Tier  # noqa: E402
@@ -234,6 +235,10 @@ class SimRequest:
     protected_len: int = 0  # tokens of the key that hit (the tree's slots in ``row``)
     served: tuple = (0, 0, 0)  # hit tree tokens from HBM, DRAM, NVMe (as hiradix reports them)
     admitted_s: float = 0.0
+    queued: Optional[QueuedKey] = None  # the look-ahead's key and last peek (built at arrival)
+
+    def __post_init__(self) -> None:
+        self.queued = QueuedKey(self.key)
 
 
 @dataclass
@@ -338,7 +343,7 @@ class Engine:
         self.cache.step()
         if self.waiting:
             window = itertools.islice(self.waiting, self.cfg.lookahead_window)
-            self.cache.observe_queue([(r.key, None) for r in window])
+            self.cache.observe_queue([r.queued for r in window])
         self.retry_s = None
         if not self.batch and self.waiting:
             self._admit()
@@ -443,7 +448,7 @@ class Engine:
     def _finish(self, req: SimRequest) -> None:
         self.tree.dec_lock(req.lock)
         self.device.free(req.scratch)
-        req.scratch, req.lock, req.key = [], None, array("q")
+        req.scratch, req.lock, req.key, req.queued = [], None, array("q"), None
         self.finished += 1
 
     # ------------------------------------------------------------ checks

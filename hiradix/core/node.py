@@ -113,6 +113,12 @@ class TreeNode:
                 + (self.store_keys is not None))
 
     @property
+    def num_local_tiers(self) -> int:
+        """How many of this server's own tiers (HBM, DRAM, NVMe) hold its KV; a store copy is
+        only a hint (the store may have dropped it), so it never makes a local copy redundant."""
+        return (self.hbm_slots is not None) + (self.dram_pages is not None) + (self.nvme_slots is not None)
+
+    @property
     def dram_from_nvme(self) -> bool:
         """The DRAM copy was read from NVMe (and not promoted to HBM since)."""
         return self.dram_from == Tier.NVME

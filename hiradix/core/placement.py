@@ -186,7 +186,9 @@ class Placement:
         for node in self.tree.victims(Tier.HBM):
             if evicted >= num_tokens:
                 break
-            if node.num_tiers == 1 and (backup is None or not backup(node)):
+            if node.num_local_tiers == 1 and (backup is None or not backup(node)) and node.num_tiers == 1:
+                # No copy anywhere else (a store copy keeps the node and what hangs below it):
+                # the KV is lost, and so is what hangs below it, unreachable without it.
                 for child in list(node.children.values()):
                     self.books.drop_subtree(child)
                 if node.children:

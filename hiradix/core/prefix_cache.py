@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from hiradix.core.controller import TierController
-from hiradix.core.lookahead import QueueView, plan
+from hiradix.core.lookahead import QueuedKey, QueueView, plan
 from hiradix.core.node import IntegrityError, Tier, TreeMatch, TreeNode
 from hiradix.core.placement import Placement
 from hiradix.core.ports import DevicePool, Slots
@@ -242,8 +242,11 @@ class TieredPrefixCache:
         if self.check_every_step:
             self.check_integrity()
 
-    def observe_queue(self, keys: Sequence[tuple[Key, Namespace]]) -> Optional[QueueView]:
+    def observe_queue(self, keys: Sequence[QueuedKey | tuple[Key, Namespace]]) -> Optional[QueueView]:
         """Look ahead over the waiting requests' keys, in queue order (policies that use the queue).
+
+        Pass each request's :class:`QueuedKey` again every step: its last peek is revalidated
+        (O(path nodes)) instead of matching its tokens again.
 
         Hands the policy this step's view (what queued requests need: soft protection) and
         starts NVMe -> DRAM reads for the requests inside the prefetch window.
@@ -259,7 +262,8 @@ class TieredPrefixCache:
             for nodes in view.prefetch:
                 self.tiers.prefetch(nodes, self.load_timeout_s, ahead=True)
             if self.tiers.store_enabled:
-                for m, (tokens, namespace) in zip(view.matches[: view.prefetch_window], window):
+                for m, key in zip(view.matches[: view.prefetch_window], window):
+                    tokens, namespace = (key.tokens, key.namespace) if isinstance(key, QueuedKey) else key
                     self._start_store_reads(m, tokens, namespace, ahead=True)
         self.last_view = view
         return view

@@ -1,11 +1,12 @@
 """Assembly of one scheduler process's tiers: media, I/O worker, movers, locks, rank agreement.
 
 :func:`build_tiers` makes the real :class:`hiradix.core.controller.TierController` of one TP
-rank: an anonymous shared-memory DRAM pool, an NVMe slot file served by a spawned I/O worker
-(with its durable index, re-indexed into the tree at start), the in-process host mover and the
-layer-wise loader, and the TP agreement over SGLang's CPU group. Process-level setup happens
-here and only here: removing socket directories of dead schedulers (and this one's at exit),
-locking the NVMe directory against a second server, spawning the worker.
+rank: an anonymous shared-memory DRAM pool (pinned for CUDA when the device pool is on a GPU),
+an NVMe slot file served by a spawned I/O worker (with its durable index, re-indexed into the
+tree at start), the in-process host mover and the layer-wise loader, and the TP agreement over
+SGLang's CPU group. Process-level setup happens here and only here: removing socket directories
+of dead schedulers (and this one's at exit), locking the NVMe directory against a second server,
+spawning the worker.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 
 def start_worker(dram: DramPool, nvme_dir: Optional[Path], nvme_slots: int, shm_dir: Path, io_backend: str,
-                 keep: bool = False, store_backend: str = "", store_config: str = "") -> IOWorkerClient:
+                 keep: bool = False, store_backend: str = "", store_config: str = "", tp_rank: int = 0) -> IOWorkerClient:
     """Create (``keep``: reuse) the NVMe slot file and spawn this rank's I/O worker over it and
     over the cluster store (``store_backend``), either of which may be absent.
 
@@ -67,6 +68,7 @@ def start_worker(dram: DramPool, nvme_dir: Optional[Path], nvme_slots: int, shm_
         parent_pid=os.getpid(),
         store_backend=store_backend,
         store_config=store_config,
+        tp_rank=tp_rank,
     )
     client = IOWorkerClient(spec)
     client.start()
@@ -145,6 +147,17 @@ def dram_bytes_of(config: Any, layout: KVLayout, device_pages: int) -> int:
             )
         logger.info("hiradix: DRAM tier %s x the device pool (%d bytes) = %d bytes", flag, device_bytes, dram_bytes)
     return dram_bytes
+def _nvme_tier(config: Any, layout: KVLayout, tp_rank: int, page_size: int, identity: Optional[dict]):
+    """``(dir, slots, lock fd, index, persisted pages)`` of this rank's NVMe tier (0 slots: none)."""
+    if config.nvme_bytes <= 0:
+        return None, 0, -1, None, []
+    nvme_slots = config.nvme_bytes // slot_bytes_for(layout.page_bytes)
+    nvme_dir = Path(config.nvme_path) / f"hiradix-rank{tp_rank}"
+    lock_fd = lock_dir(nvme_dir)  # also makes it private (0700)
+    index, pages = None, []
+    if identity is not None:
+        index, pages = _open_index(nvme_dir, identity, layout, tp_rank, nvme_slots, page_size)
+    return nvme_dir, nvme_slots, lock_fd, index, pages
 
 
 def build_tiers(
@@ -188,23 +201,22 @@ def build_tiers(
     ensure_private_dir(shm_dir)  # 0700: it holds the worker's socket directory
     remove_on_exit(shm_dir)
     dram = DramPool.create_anonymous(layout, dram_pages)
-    client, nvme_dir, nvme_slots, lock_fd, index, pages = None, None, 0, -1, None, []
-    if config.nvme_bytes > 0:
-        nvme_slots = config.nvme_bytes // slot_bytes_for(layout.page_bytes)
-        nvme_dir = Path(config.nvme_path) / f"hiradix-rank{tp_rank}"
-        lock_fd = lock_dir(nvme_dir)  # also makes it private (0700)
-        if identity is not None:
-            index, pages = _open_index(nvme_dir, identity, layout, tp_rank, nvme_slots, page_size)
+    device = kv_pool.k_buffer[0].device
+    if device.type == "cuda":
+        dram.pin_for_cuda()  # False (one warning): the pool stays pageable and copies stay correct
+    nvme_dir, nvme_slots, lock_fd, index, pages = _nvme_tier(config, layout, tp_rank, page_size, identity)
     key_prefix = None
     if config.has_store_tier:
         if identity is None:
             raise ValueError("the cluster store needs the model identity for its keys")
         key_prefix = store_key_prefix(identity["model_id"], identity["model_dtype"], layout, tp_rank, identity["tp_size"])
+    client = None
     if nvme_slots > 0 or key_prefix is not None:
         client = start_worker(dram, nvme_dir, nvme_slots, shm_dir, io_backend, keep=index is not None and index.reused,
-                              store_backend=config.store_backend or "", store_config=config.store_config)
+                              store_backend=config.store_backend or "", store_config=config.store_config,
+                              tp_rank=tp_rank)
     books = TierBooks(tree, dram_pages, nvme_slots)
-    loader = LayerwiseLoader(layout.num_layers, kv_pool.k_buffer[0].device, counter_factory)
+    loader = LayerwiseLoader(layout.num_layers, device, counter_factory)
     mover = HostMover(kv_pool, dram, loader)
     multi_rank = tp_group is not None and torch.distributed.get_world_size(tp_group) > 1
     journal = IndexJournal(index, tree) if index is not None else None

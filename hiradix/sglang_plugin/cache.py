@@ -31,7 +31,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from hiradix.core.lookahead import QueueView
+from hiradix.core.lookahead import QueuedKey, QueueView
 from hiradix.core.policy import make_policy
 from hiradix.core.prefix_cache import TieredPrefixCache
 from hiradix.core.store_tier import STORE_RETRY_S
@@ -237,11 +237,24 @@ class TieredRadixCache(BasePrefixCache):
                                      store=self.tiers.store)
 
     def observe_queue(self, waiting_queue: list) -> Optional[QueueView]:
-        """Look-ahead over the first W waiting requests (policies that use the queue)."""
+        """Look-ahead over the first W waiting requests (policies that use the queue).
+
+        Each request's key is built once and kept on the request (``hiradix_queued_key``, rebuilt
+        only when its length changes, e.g. after a retraction), with its last peek: a step costs
+        O(nodes on the queued paths), not O(queued tokens).
+        """
         if not self.tree.policy.uses_queue:
             return None
         window = waiting_queue[: self.config.lookahead_window]
-        return self.core.observe_queue([request_key(req, self.page_size) for req in window])
+        return self.core.observe_queue([self._queued_key(req) for req in window])
+
+    def _queued_key(self, req: Req) -> QueuedKey:
+        length = len(req.origin_input_ids) + len(req.output_ids)
+        cached = getattr(req, "hiradix_queued_key", None)
+        if cached is None or cached[0] != length:
+            cached = (length, QueuedKey(*request_key(req, self.page_size)))
+            req.hiradix_queued_key = cached
+        return cached[1]
 
     def touch_prefix(self, key: RadixKey) -> None:
         key = key.page_aligned(self.page_size)

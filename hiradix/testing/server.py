@@ -81,15 +81,25 @@ def cpu_args(max_total_tokens: int) -> list[str]:
     ]  # fmt: skip
 
 
-def cpu_env() -> dict[str, str]:
+def cpu_env(tp_size: int = 1) -> dict[str, str]:
     """Environment variables SGLang 0.5.23 needs on a CPU-only machine.
 
     `SGLANG_USE_CPU_ENGINE=1`: without it the rotary embedding tries to import vLLM's ops.
+    With `--tp-size N` > 1, `SGLANG_CPU_OMP_THREADS_BIND` gives each rank its CPUs ("0|1" for
+    two ranks on cores 0 and 1; the cores are shared round-robin when there are fewer):
+    without it stock SGLang fails in `init_threads_binding`.
+
+    Args:
+        tp_size: the server's `--tp-size`.
 
     Returns:
         Variables to merge into the server's environment (`ServerProcess(env=...)`).
     """
-    return {"SGLANG_USE_CPU_ENGINE": "1"}
+    env = {"SGLANG_USE_CPU_ENGINE": "1"}
+    if tp_size > 1:
+        cores = max(1, os.cpu_count() or 1)
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % cores) for rank in range(tp_size))
+    return env
 
 
 def _port_range_from_env() -> tuple[int, int]:

@@ -18,19 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.e2e import (  # noqa: F401 - also imported from here by other e2e tests
+from tests.helpers.e2e import (
     SESSIONS,
-    TOPICS,
     TURNS,
     WORDS,
     assert_same_outputs,
-    chat,
     metric,
     run_sessions,
     start,
     tier_hits,
     tiered_flags,
-    user_turn,
 )
 
 pytestmark = pytest.mark.e2e

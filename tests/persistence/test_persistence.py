@@ -10,7 +10,6 @@ import logging
 import os
 import stat
 
-import pytest
 import torch
 
 from hiradix.persistence.fingerprint import kv_fingerprint, model_identity
