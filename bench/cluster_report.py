@@ -30,6 +30,7 @@ from bench.ab import identical_fraction
 from bench.multiturn import write_records
 
 TIERS = ("device", "host", "nvme", "store")
+SYSTEM_COLORS = {"stock": "tab:gray", "stock-aa": "silver", "hicache": "tab:orange", "hiradix": "tab:blue"}
 RESAMPLES = 2000
 TARGET_RANDOM_OF_STICKY = 0.90
 _PAIR = re.compile(r"\s*([A-Za-z0-9_.-]+)\s*=\s*(\d+)\s*$")
@@ -212,7 +213,7 @@ def plot_hits(report: dict, png_path: Path) -> None:
 
     cells = report["cells"]
     x = np.arange(len(cells))
-    fig, (ax_hit, ax_prefill) = plt.subplots(1, 2, figsize=(max(10, 1.3 * len(cells) * 2), 4.5))
+    fig, (ax_hit, ax_prefill) = plt.subplots(1, 2, figsize=(max(10, 1.6 * len(cells)), 4.5))
     bottom = np.zeros(len(cells))
     for tier in TIERS:
         vals = np.array([100 * c["tier_share"][tier] for c in cells])
@@ -240,14 +241,15 @@ def plot_ttft(report: dict, png_path: Path) -> None:
 
     cells = report["cells"]
     x = np.arange(len(cells))
-    fig, (ax_ttft, ax_ratio) = plt.subplots(1, 2, figsize=(max(10, 1.3 * len(cells) * 2), 4.5))
+    fig, (ax_ttft, ax_ratio) = plt.subplots(1, 2, figsize=(max(10, 1.6 * len(cells)), 4.5))
     panels = ((ax_ttft, "ttft_median_s", "ttft_ci_s", 1e3, "median TTFT, turns >= 2 (ms)"),
               (ax_ratio, "ttft_ratio_to_stock", "ttft_ratio_ci", 1.0, "TTFT / stock, same routing"))
     for ax, key, ci_key, scale, title in panels:
         mid = np.array([c[key] * scale for c in cells])
         lo = np.array([c[ci_key][0] * scale for c in cells])
         hi = np.array([c[ci_key][1] * scale for c in cells])
-        ax.bar(x, mid, yerr=np.nan_to_num(np.vstack([mid - lo, hi - mid])), capsize=4, color="tab:blue", alpha=0.8)
+        colors = [SYSTEM_COLORS.get(c["system"], "tab:purple") for c in cells]
+        ax.bar(x, mid, yerr=np.nan_to_num(np.vstack([mid - lo, hi - mid])), capsize=4, color=colors, alpha=0.85)
         ax.set(title=title + " (whiskers: 95% bootstrap)")
         ax.set_xticks(x, [_label(c) for c in cells], fontsize=7)
         ax.grid(alpha=0.3, axis="y")
