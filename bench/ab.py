@@ -231,7 +231,8 @@ def with_tier_sizes(systems: Sequence[System], dram_ratio: float, nvme_gb: float
     return out
 
 
-def _fetch_metrics(base_url: str) -> str:
+def fetch_metrics(base_url: str) -> str:
+    """The server's Prometheus text from `GET /metrics`, or "" if it does not answer in 10 s."""
     try:
         with urllib.request.urlopen(base_url + "/metrics", timeout=10) as resp:
             return resp.read().decode("utf-8", errors="replace")
@@ -239,7 +240,7 @@ def _fetch_metrics(base_url: str) -> str:
         return ""
 
 
-def _warm_up(base_url: str, config: WorkloadConfig) -> None:
+def warm_up(base_url: str, config: WorkloadConfig) -> None:
     """One unrelated short request so lazy initialisation does not land in turn 0's TTFT."""
     warm = Session("warmup", ({"role": "user", "content": "Warm-up: say hello."},), "synthetic")
     records = run_workload(base_url, [warm], config, system="warmup", progress=False)
@@ -261,11 +262,11 @@ def run_system(system: System, model_path: str, max_total_tokens: int, sessions:
     with ServerProcess(model_path, extra_args=extra_args, env=cpu_env(), log_path=log_path,
                        startup_timeout_s=startup_timeout_s) as server:
         logger.info("[%s] healthy on %s after %.1f s", system.name, server.base_url, server.startup_s)
-        _warm_up(server.base_url, config)
+        warm_up(server.base_url, config)
         t0 = time.perf_counter()
         records = run_workload(server.base_url, sessions, config, system=system.name)
         workload_s = time.perf_counter() - t0
-        metrics_text = _fetch_metrics(server.base_url)
+        metrics_text = fetch_metrics(server.base_url)
         startup_s = server.startup_s or float("nan")
     return SystemRun(system, records, startup_s, workload_s, str(log_path), metrics_text)
 
