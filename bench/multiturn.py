@@ -75,6 +75,7 @@ class RequestRecord:
     cached_device_tokens: int | None = None  # per-tier split, when reported
     cached_host_tokens: int | None = None
     cached_storage_tokens: int | None = None
+    cached_storage_backend: str | None = None  # where storage hits came from, e.g. "nvme=32,mooncake=240"
     finish_reason: str | None = None
     output_text: str = ""
     output_token_ids: list[int] | None = None  # sglext.output_ids, when reported
@@ -117,23 +118,35 @@ def parse_cached_tokens_details(obj: Any) -> dict[str, int] | None:
     Returns:
         e.g. `{"device": 120, "host": 0}`, or None if the chunk has no split.
     """
+    for details in _details_candidates(obj):
+        split = {k: int(details[k]) for k in ("device", "host", "storage") if isinstance(details.get(k), (int, float))}
+        if split:
+            return split
+    return None
+
+
+def parse_storage_backend(obj: Any) -> str | None:
+    """The `storage_backend` label next to a cached-token split (same places as
+    `parse_cached_tokens_details`): SGLang HiCache names its L3 backend (`"MooncakeStore"`),
+    hiradix gives tokens per source (`"nvme=32,mooncake=240"`). None if absent."""
+    for details in _details_candidates(obj):
+        if isinstance(details.get("storage_backend"), str) and details["storage_backend"]:
+            return details["storage_backend"]
+    return None
+
+
+def _details_candidates(obj: Any) -> list[dict]:
     if not isinstance(obj, dict):
-        return None
+        return []
     usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else {}
-    prompt_details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    prompt_details = usage.get("prompt_tokens_details")
     candidates = [
         (obj.get("sglext") or {}).get("cached_tokens_details") if isinstance(obj.get("sglext"), dict) else None,
         usage.get("cached_tokens_details"),
         prompt_details.get("cached_tokens_details") if isinstance(prompt_details, dict) else None,
         obj.get("cached_tokens_details"),
     ]
-    for details in candidates:
-        if isinstance(details, dict):
-            split = {k: int(details[k]) for k in ("device", "host", "storage")
-                     if isinstance(details.get(k), (int, float))}  # fmt: skip
-            if split:
-                return split
-    return None
+    return [d for d in candidates if isinstance(d, dict)]
 
 
 def _apply_chunk(record: RequestRecord, chunk: dict, elapsed_s: float, text_parts: list[str]) -> None:
@@ -160,6 +173,7 @@ def _apply_chunk(record: RequestRecord, chunk: dict, elapsed_s: float, text_part
         record.cached_device_tokens = split.get("device")
         record.cached_host_tokens = split.get("host")
         record.cached_storage_tokens = split.get("storage")
+        record.cached_storage_backend = parse_storage_backend(chunk)
     sglext = chunk.get("sglext")
     if isinstance(sglext, dict) and isinstance(sglext.get("output_ids"), list) and sglext["output_ids"]:
         first = sglext["output_ids"][0]
@@ -325,7 +339,10 @@ CSV_FIELDS = [f.name for f in dataclasses.fields(RequestRecord)]
 
 def write_records(records: Iterable[RequestRecord], json_path: str | Path | None = None,
                   csv_path: str | Path | None = None) -> None:
-    """Write records as a JSON list and/or a CSV (token id lists as JSON strings)."""
+    """Write records as a JSON list and/or a CSV (token id lists as JSON strings).
+
+    The CSV columns are the fields of the records' dataclass (`RequestRecord` or a subclass).
+    """
     rows = [dataclasses.asdict(r) for r in records]
     if json_path is not None:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
@@ -333,7 +350,7 @@ def write_records(records: Iterable[RequestRecord], json_path: str | Path | None
     if csv_path is not None:
         Path(csv_path).parent.mkdir(parents=True, exist_ok=True)
         with open(csv_path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else CSV_FIELDS)
             writer.writeheader()
             for row in rows:
                 if row["output_token_ids"] is not None:

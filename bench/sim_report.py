@@ -29,8 +29,8 @@ def format_table(results: Sequence[dict], infinite: dict) -> str:
     lines.append(f"{'infinite':<16}{100 * inf_tok:>7.1f}{100 * infinite['block_hit_rate']:>8.1f}{100.0:>9.1f}")
     lines += [
         "hit %: hit tokens / prompt tokens; block %: per 512-token block; % of inf: hit % / infinite hit %.",
-        "HBM/DRAM/NVMe %: share of hit tokens by where hiradix served them (look-ahead reads count as DRAM, on-demand",
-        "NVMe reads as NVMe); DRAM@1st %: share already in DRAM when the request was first tried for admission;",
+        "HBM/DRAM/NVMe %: share of hit tokens by where hiradix served them (pages read up from NVMe count as NVMe,",
+        "read ahead or on demand); DRAM@1st %: share already in DRAM when the request was first tried;",
         "ready %: share already in HBM or DRAM then (served without waiting); NVMe wait ms: time requests were",
         "held back for NVMe reads, per request; unready %: prompt tokens matched on NVMe but admitted unread",
         "(recomputed); queue: arrival -> admission.",

@@ -19,9 +19,11 @@ What is counted:
 * Hit rate = hit tokens / prompt tokens (all of ``input_length``); also per 512-token block
   (a hit when all its whole pages hit), comparable with the trace's infinite-cache figure
   (36.6% of 288,500 block references). The infinite token figure uses the whole-page rule.
-* Tier of a hit, as hiradix reports it (SGLang's ``cached_tokens_details``): HBM; DRAM
-  (including pages the look-ahead window read from NVMe before admission); NVMe (read on
-  demand at admission). ``DRAM@1st``: share already in DRAM at the first admission attempt.
+* Tier of a hit, as hiradix reports it (SGLang's ``cached_tokens_details``): HBM; DRAM; NVMe
+  (pages read up from NVMe for that request, whether the look-ahead window read them before
+  admission or the request waited; issue 14). Pages read from the cluster store count in the
+  DRAM column and apart (``store_tokens``). ``DRAM@1st``: share already in DRAM at the first
+  admission attempt; ``NVMe wait ms`` tells read-ahead from waiting.
 
 Service model (all configurable): one engine runs one FCFS prefill batch at a time (at most
 ``--max-prefill-tokens`` uncached tokens, at least one request) for ``batch_overhead_s +
@@ -69,12 +71,14 @@ from bench.offline import infinite_hit_rates  # noqa: E402,F401 - re-exported (t
 from bench.sim_report import format_table, plot  # noqa: E402
 from bench.sweep import DEFAULT_FRACTIONS, sweep_main  # noqa: E402
 from hiradix.core.policy import make_policy  # noqa: E402
+from hiradix.core.lookahead import QueuedKey  # noqa: E402
 from hiradix.core.prefix_cache import TieredPrefixCache  # noqa: E402
 from hiradix.core.node import Tier  # noqa: E402
 from hiradix.core.tree import TieredRadixTree, TreeNode  # noqa: E402
 from hiradix.testing.sim_ports import (  # noqa: E402
     SimClock,
     SimDevicePool,
+    SimStore,
     next_event_s,
     simulated_controller,
 )
@@ -103,9 +107,15 @@ class SimConfig:
     lookahead_window: int = 64  # W
     load_timeout_s: float = 2.0  # wait for NVMe reads at most this long
     write_through: bool = True  # back up to DRAM at insert
+    write_selective: bool = False  # ...only nodes hit again (HiCache's write_through_selective)
+    dram_staging: bool = False  # DRAM only carries pages in flight (--hiradix-dram-mode staging)
     token_level: bool = False  # page_size ids per page in the tree (else one per page)
     time_scale: float = 1.0  # arrival times are multiplied by this
     check_every_step: bool = False  # books.check_integrity() after every step (slow)
+    # The cluster store (bench/simulate_cluster.py): transfer rates and the latency of one lookup.
+    store_read_bytes_per_s: float = 10e9  # store -> DRAM (RDMA-class network)
+    store_write_bytes_per_s: float = 10e9  # DRAM -> store
+    store_query_s: float = 0.0005  # one batched exists
 
     def __post_init__(self) -> None:
         if not 1 <= self.page_size <= BLOCK_TOKENS or BLOCK_TOKENS % self.page_size:
@@ -203,6 +213,10 @@ class SimRequest:
     protected_len: int = 0  # tokens of the key that hit (the tree's slots in ``row``)
     served: tuple = (0, 0, 0)  # hit tree tokens from HBM, DRAM, NVMe (as hiradix reports them)
     admitted_s: float = 0.0
+    queued: Optional[QueuedKey] = None  # the look-ahead's key and last peek (built at arrival)
+
+    def __post_init__(self) -> None:
+        self.queued = QueuedKey(self.key)
 
 
 @dataclass
@@ -211,6 +225,7 @@ class Counters:
 
     prompt_tokens: int = 0
     hit_tokens: list = field(default_factory=lambda: [0, 0, 0])  # from HBM, DRAM, NVMe
+    store_tokens: int = 0  # of the DRAM hits, tokens read from the cluster store (another server's KV)
     strict_dram_tokens: int = 0  # hits already in DRAM at the first admission attempt
     ready_tokens: int = 0  # hits already in HBM or DRAM at the first admission attempt (no wait)
     block_refs: int = 0
@@ -238,10 +253,11 @@ class Engine:
         policy: "lru" or "lookahead".
     """
 
-    def __init__(self, trace: Sequence[TraceRequest], cfg: SimConfig, lowest_tier: str, policy: str):
+    def __init__(self, trace: Sequence[TraceRequest], cfg: SimConfig, lowest_tier: str, policy: str,
+                 clock: Optional[SimClock] = None, store: Optional[SimStore] = None):
         self.trace, self.cfg = trace, cfg
         u = cfg.unit_tokens
-        self.clock = SimClock()
+        self.clock = clock or SimClock()  # shared by the servers of a simulated cluster
         tree_ps = cfg.page_size // u
         self.tree = TieredRadixTree(tree_ps, make_policy(policy), clock=self.clock)
         tiers = None
@@ -251,6 +267,9 @@ class Engine:
                 self.tree, cfg.dram_tokens // cfg.page_size, nvme_pages, cfg.page_bytes, cfg.write_through, self.clock,
                 read_s_per_page=cfg.page_bytes / cfg.nvme_read_bytes_per_s,
                 write_s_per_page=cfg.page_bytes / cfg.nvme_write_bytes_per_s,
+                store=store, store_read_s_per_page=cfg.page_bytes / cfg.store_read_bytes_per_s,
+                store_write_s_per_page=cfg.page_bytes / cfg.store_write_bytes_per_s, store_query_s=cfg.store_query_s,
+                write_selective=cfg.write_selective, dram_staging=cfg.dram_staging,
             )  # fmt: skip
         device = SimDevicePool(cfg.hbm_tokens // u, tree_ps)
         self.device = device
@@ -306,7 +325,7 @@ class Engine:
         self.cache.step()
         if self.waiting:
             window = itertools.islice(self.waiting, self.cfg.lookahead_window)
-            self.cache.observe_queue([(r.key, None) for r in window])
+            self.cache.observe_queue([r.queued for r in window])
         self.retry_s = None
         if not self.batch and self.waiting:
             self._admit()
@@ -363,7 +382,9 @@ class Engine:
             tree.dec_lock(m.hbm_node)
             return False
         back = cache.load_back(m.hbm_node, m.dram_node, m.dram_len)
-        loaded, waited, last = back.loaded, back.waited, back.node
+        loaded, last = back.loaded, back.node
+        storage = back.read_from[Tier.NVME]  # read up from NVMe for this use, ahead or waited for (as the server reports)
+        self.counters.store_tokens += back.read_from[Tier.STORE] * self.cfg.unit_tokens
         if last is not m.hbm_node:
             tree.inc_lock(last)
             tree.dec_lock(m.hbm_node)
@@ -375,7 +396,7 @@ class Engine:
         req.lock, req.protected_len, req.admitted_s = last, hit, self.clock()
         req.row = cache.path_slots(last) + new[: len(req.key) - hit]
         req.scratch = new[len(req.key) - hit :]
-        req.served = (m.hbm_len, loaded - waited, waited)
+        req.served = (m.hbm_len, loaded - storage, storage)
         self._count_hits(req, m)
         return True
 
@@ -415,7 +436,7 @@ class Engine:
     def _finish(self, req: SimRequest) -> None:
         self.tree.dec_lock(req.lock)
         self.device.free(req.scratch)
-        req.scratch, req.lock, req.key = [], None, array("q")
+        req.scratch, req.lock, req.key, req.queued = [], None, array("q"), None
         self.finished += 1
 
     # ------------------------------------------------------------ checks

@@ -5,7 +5,7 @@ The server: `sglang.launch_server` with hiradix and tiers small enough that all 
 directory under `out_dir`), `--max-running-requests` below the client concurrency (a queue
 forms, so the look-ahead window has work), and `HIRADIX_CHECK_INTEGRITY=1`: after every
 scheduler step, busy or idle, the tree and the tier books prove their invariants
-(`HiRadixCache.check_integrity`); a violation raises `IntegrityError` in the scheduler, which
+(`TieredRadixCache.check_integrity`); a violation raises `IntegrityError` in the scheduler, which
 SGLang logs ("Scheduler hit an exception") before it takes the whole server down.
 
 The load: `concurrency` client slots, each replaying multi-turn sessions
@@ -20,7 +20,7 @@ load early, the end checks still run):
        and the entries and modes of the NVMe directory and of the I/O worker's socket directory.
     2. Soak load until `duration_s` (warm-up included). Every `check_interval_s`: the launcher is
        alive, `/health_generate` answers 200, the log has no error marker; RSS is sampled.
-    3. Drain, `/flush_cache`, then: every `hiradix_tier_tokens` gauge is 0, the tiers' summary
+    3. Drain, `/flush_cache`, then: every `sglang:hiradix_tier_used_tokens` gauge is 0, the tiers' summary
        line reports 0 used DRAM pages and 0 used NVMe slots, processes, fds, sockets, /dev/shm
        entries and both directories are back to the baseline (within `settle_timeout_s`),
        RSS growth is within `rss_bound_bytes`, no request failed, directories are private.
@@ -54,6 +54,7 @@ if __package__ in (None, ""):  # run as a file: python bench/soak.py
 
 from bench.conversations import Session, load_sessions
 from bench.multiturn import RequestRecord, WorkloadConfig, fetch_model_id, send_chat_request
+from hiradix.runtime.metrics import TIERS as METRIC_TIERS
 from hiradix.testing.resources import TreeUsage, dir_modes, private_mode_problems, tree_usage
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
 from hiradix.tiers.files import default_shm_dir
@@ -66,7 +67,7 @@ ERROR_MARKERS = ("IntegrityError", "Scheduler hit an exception", "memory leak", 
 SUMMARY_RE = re.compile(
     r"tokens per tier HBM/DRAM/NVMe=\[(\d+), (\d+), (\d+)\] DRAM pages=(\d+)/(\d+) NVMe slots=(\d+)/(\d+)"
 )
-TIER_GAUGE_RE = re.compile(r'^hiradix_tier_tokens\{[^}]*tier="([^"]+)"[^}]*\}\s+(\S+)', re.M)
+TIER_GAUGE_RE = re.compile(r'^sglang:hiradix_tier_used_tokens\{[^}]*tier="([^"]+)"[^}]*\}\s+(\S+)', re.M)
 # Processes that map the DRAM tier (the scheduler writes it, the I/O worker reads it).
 DRAM_MAPPERS = 2
 
@@ -346,7 +347,7 @@ def integrity_checking_on(server: ServerProcess) -> bool:
 
 
 def parse_tier_tokens(metrics_text: str) -> dict[str, float]:
-    """`{tier: tokens}` from the `hiradix_tier_tokens` gauges of a /metrics page (summed over ranks)."""
+    """`{tier: tokens}` from the `sglang:hiradix_tier_used_tokens` gauges of a /metrics page (summed over ranks)."""
     found: dict[str, float] = {}
     for tier, value in TIER_GAUGE_RE.findall(metrics_text):
         found[tier] = found.get(tier, 0.0) + float(value)
@@ -427,11 +428,11 @@ async def flush_and_read(base_url: str, config: SoakConfig, scanner: LogScanner,
     for key in ("dram_pages_used", "nvme_slots_used"):
         if report.summary_after_flush.get(key, 0) != 0:
             report.violations.append(f"after /flush_cache {key} = {report.summary_after_flush[key]}, expected 0")
-    if set(report.tier_tokens_after_flush) != {"HBM", "DRAM", "NVMe"}:
-        report.violations.append(f"hiradix_tier_tokens gauges missing: {report.tier_tokens_after_flush}")
+    if set(report.tier_tokens_after_flush) != set(METRIC_TIERS):
+        report.violations.append(f"sglang:hiradix_tier_used_tokens gauges missing: {report.tier_tokens_after_flush}")
     for tier, tokens in report.tier_tokens_after_flush.items():
         if tokens != 0:
-            report.violations.append(f"after /flush_cache hiradix_tier_tokens{{tier={tier}}} = {tokens:g}, expected 0")
+            report.violations.append(f"after /flush_cache sglang:hiradix_tier_used_tokens{{tier={tier}}} = {tokens:g}, expected 0")
 
 
 def _diff(name: str, before: Any, after: Any) -> list[str]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ ENV_VAR = "HIRADIX_CONFIG"
 
 BYTES_PER_GB = 10**9
 WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")
+DRAM_MODES: tuple[str, ...] = ("cache", "staging")
 STORE_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")  # see hiradix.core.store_tier
 
 
@@ -131,20 +131,41 @@ def _resolve_path(flag: str, path: Any) -> Optional[Path]:
     return Path(path).expanduser().resolve()
 
 
+def _ratio(flag: str, ratio: Any) -> float:
+    if ratio is None:
+        return 0.0
+    if not math.isfinite(ratio) or ratio <= 0:
+        raise HiRadixConfigError(f"{flag} must be a finite number > 0 (x the device KV pool), got {ratio}")
+    return float(ratio)
+
+
 FLAGS: tuple[FlagSpec, ...] = (
-    FlagSpec("dram_gb", "dram_bytes", float, 4.0, "DRAM tier size, in GB.", "GB", convert=_gb_to_bytes),
+    FlagSpec("dram_gb", "dram_bytes", float, 4.0, "DRAM tier per scheduler process (TP rank), in GB (1e9 bytes).",
+             "GB", convert=_gb_to_bytes),
+    FlagSpec("dram_ratio", "dram_ratio", float, None,
+             "DRAM tier as a multiple of the device KV pool's bytes (like --hicache-ratio); "
+             "instead of --hiradix-dram-gb.", "RATIO", convert=_ratio),
+    FlagSpec("dram_mode", "dram_mode", str, "cache",
+             "cache: DRAM keeps copies (DRAM hits); staging: DRAM only carries pages in flight between "
+             "HBM and NVMe (needs an NVMe tier; like --hicache-host-memory-mode buffer_only).",
+             choices=lambda: list(DRAM_MODES)),
     FlagSpec("nvme_path", "nvme_path", str, None,
              "Directory for the NVMe tier's files (must exist; a private hiradix-rank<r>/ is made inside).",
              "DIR", convert=_resolve_path),
-    FlagSpec("nvme_gb", "nvme_bytes", float, 0.0, "NVMe tier size, in GB; 0 = no NVMe tier.", "GB",
+    FlagSpec("nvme_gb", "nvme_bytes", float, 0.0, "NVMe tier per TP rank, in GB; 0 = no NVMe tier.", "GB",
              convert=_gb_to_bytes),
-    FlagSpec("policy", "policy", str, "lookahead", "Eviction/promotion policy.", choices=policy_names),
+    FlagSpec("policy", "policy", str, "lookahead",
+             ("Eviction/promotion policy: lookahead (queue-aware, CachedAttention §3.3), predictive (the queue, "
+              "then reuse predicted from what the server saw; reads predicted returns ahead; TP 1 only) or lru (as stock)."),
+             choices=policy_names),
     FlagSpec("lookahead_window", "lookahead_window", int, 64,
-             "Waiting requests a queue-aware policy (lookahead) inspects per step.", "REQUESTS"),
-    FlagSpec("write_policy", "write_policy", str, "write_through", "When KV is copied down a tier.",
+             "Waiting requests a queue-aware policy (lookahead, predictive) inspects per step.", "REQUESTS"),
+    FlagSpec("write_policy", "write_policy", str, "write_through",
+             "When KV is copied from HBM to DRAM: write_through (at insert, async) or write_back (at eviction).",
              choices=lambda: list(WRITE_POLICIES)),
     FlagSpec("load_timeout_s", "load_timeout_s", float, 2.0,
-             "How long a request may wait for its NVMe or store pages; then it runs with what is ready.", "SECONDS",
+             "How long a request may wait at admission for its NVMe or store pages; then it runs with "
+             "the pages that are ready and recomputes the rest.", "SECONDS",
              convert=lambda flag, v: float(v)),
     FlagSpec("store", "store_backend", str, None,
              "Cluster store shared by the servers (the tier below NVMe); none by default.", choices=_store_backends),
@@ -169,8 +190,13 @@ class HiRadixConfig:
     """What the tiered cache needs to know, validated on construction.
 
     Attributes:
-        dram_bytes: DRAM (host memory) tier capacity per scheduler process, in bytes.
-            Must be > 0. Flag `--hiradix-dram-gb` (GB).
+        dram_bytes: DRAM (host memory) tier capacity per scheduler process, in bytes; 0
+            when the size is a ratio of the device pool (`dram_ratio`). Flag `--hiradix-dram-gb` (GB).
+        dram_ratio: DRAM tier capacity as a multiple of the device KV pool's bytes (resolved
+            in the scheduler, :meth:`dram_bytes_for`), or 0.0 when `dram_bytes` gives it.
+            Flag `--hiradix-dram-ratio`.
+        dram_mode: "cache" (DRAM keeps copies: DRAM hits) or "staging" (a DRAM copy is dropped
+            as soon as NVMe or HBM also holds it; needs an NVMe tier). Flag `--hiradix-dram-mode`.
         nvme_path: Absolute, resolved directory holding the NVMe tier's files, or
             None when there is no NVMe tier. Flag `--hiradix-nvme-path`.
         nvme_bytes: NVMe tier capacity per scheduler process, in bytes; 0 means no
@@ -193,6 +219,8 @@ class HiRadixConfig:
     """
 
     dram_bytes: int = _default("dram_gb")
+    dram_ratio: float = 0.0
+    dram_mode: str = _default("dram_mode")
     nvme_path: Path | None = None
     nvme_bytes: int = _default("nvme_gb")
     policy: str = _default("policy")
@@ -212,8 +240,7 @@ class HiRadixConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise HiRadixConfigError(f"{flag[name]}: {name} must be an int, got {value!r}")
-        if self.dram_bytes <= 0:
-            raise HiRadixConfigError(f"{flag['dram_bytes']} must be > 0, got {_gb(self.dram_bytes)}")
+        self._validate_dram()
         if self.nvme_bytes < 0:
             raise HiRadixConfigError(f"{flag['nvme_bytes']} must be >= 0, got {_gb(self.nvme_bytes)}")
         self._validate_nvme_path()
@@ -233,6 +260,33 @@ class HiRadixConfig:
             raise HiRadixConfigError(
                 f"{flag['load_timeout_s']} must be a finite number > 0 (seconds), got {timeout!r}"
             )
+
+    def _validate_dram(self) -> None:
+        flag = FLAG_OF_FIELD
+        ratio = self.dram_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or ratio < 0:
+            raise HiRadixConfigError(f"{flag['dram_ratio']} must be a finite number > 0, got {ratio!r}")
+        if ratio > 0 and self.dram_bytes > 0:
+            raise HiRadixConfigError(f"{flag['dram_ratio']} and {flag['dram_bytes']} both size the DRAM tier; give one")
+        if ratio == 0 and self.dram_bytes < 0:
+            raise HiRadixConfigError(f"{flag['dram_bytes']} must be > 0, got {_gb(self.dram_bytes)}")
+        if ratio == 0 and self.dram_bytes == 0:
+            raise HiRadixConfigError(
+                f"{flag['dram_bytes']} must be > 0, got {_gb(self.dram_bytes)}: the I/O worker reads and writes "
+                f"NVMe pages through DRAM, so some DRAM is needed; for DRAM used only by pages in flight "
+                f"between HBM and NVMe give a small {flag['dram_bytes']} with {flag['dram_mode']} staging"
+            )
+        if self.dram_mode not in DRAM_MODES:
+            raise HiRadixConfigError(f"{flag['dram_mode']} must be one of {list(DRAM_MODES)}, got {self.dram_mode!r}")
+        if self.dram_mode == "staging" and self.nvme_bytes == 0:
+            raise HiRadixConfigError(
+                f"{flag['dram_mode']} staging needs an NVMe tier ({flag['nvme_bytes']} > 0): without one, "
+                "DRAM pages have nowhere to be staged to"
+            )
+
+    def dram_bytes_for(self, device_pool_bytes: int) -> int:
+        """DRAM tier capacity in bytes, given the device KV pool's size in bytes (all layers, K+V)."""
+        return self.dram_bytes if self.dram_ratio == 0 else int(self.dram_ratio * device_pool_bytes)
 
     def _validate_nvme_path(self) -> None:
         flag = FLAG_OF_FIELD
@@ -293,6 +347,12 @@ class HiRadixConfig:
                 f"{FLAG_BY_NAME['lookahead_window'].flag} applies only to {FLAG_BY_NAME['policy'].flag} "
                 f"{queue_aware}, but {FLAG_BY_NAME['policy'].flag} is {policy}"
             )
+        if values.get("dram_ratio") is not None:
+            if values.get("dram_gb") is not None:
+                raise HiRadixConfigError(
+                    f"{FLAG_BY_NAME['dram_ratio'].flag} and {FLAG_BY_NAME['dram_gb'].flag} both size the DRAM tier; give one"
+                )
+            values = {**values, "dram_gb": 0.0}
         return cls(**{spec.field: spec.to_field(values.get(spec.name)) for spec in FLAGS})
 
     def to_json(self) -> str:
@@ -328,11 +388,12 @@ class HiRadixConfig:
     def summary(self) -> str:
         """One-line description for the server log."""
         nvme = f"{self.nvme_path} ({self.nvme_bytes} bytes)" if self.has_nvme_tier else "off"
+        dram = f"dram_ratio={self.dram_ratio:g}" if self.dram_ratio else f"dram_bytes={self.dram_bytes}"
         window = f", lookahead_window={self.lookahead_window}" if make_policy(self.policy).uses_queue else ""
         store = f"{self.store_backend} ({self.store_write_policy})" if self.has_store_tier else "off"
         return (
             f"policy={self.policy}{window}, write_policy={self.write_policy}, "
-            f"dram_bytes={self.dram_bytes}, nvme={nvme}, store={store}, "
+            f"{dram}, dram_mode={self.dram_mode}, nvme={nvme}, store={store}, "
             f"load_timeout_s={self.load_timeout_s:g}"
         )
 
@@ -372,7 +433,7 @@ def check_machine(config: HiRadixConfig, *, ranks_on_this_node: int = 1) -> None
 
     ranks = max(1, ranks_on_this_node)
     times = f" x {ranks} ranks" if ranks > 1 else ""
-    dram_needed = config.dram_bytes * ranks
+    dram_needed = config.dram_bytes * ranks  # 0 with --hiradix-dram-ratio: checked in the scheduler
     dram_available = psutil.virtual_memory().available
     if dram_needed > dram_available:
         raise HiRadixConfigError(

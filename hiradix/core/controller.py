@@ -53,6 +53,8 @@ DEMOTION_WAIT_S = 0.2
 MAX_NVME_FAILURES_IN_ROW = 5
 SUMMARY_EVERY_S = 10.0  # one log line of occupancy this often
 UNREAD_KEEP_STEPS = 64  # steps an expired wait for an unread prefix is remembered (not waited again)
+# Selective write-through backs up a node once used again: its insert counts 1 in hit_count.
+SELECTIVE_MIN_HITS = 2
 
 
 def outcome_of(result: Any) -> int:
@@ -95,6 +97,12 @@ class TierController:
         store_key_prefix: the cluster store's key prefix (the KV fingerprint); None: no store.
         store_write_policy: see :mod:`hiradix.core.store_tier`.
         store_retry_s: first wait before a switched-off store is tried again.
+        dram_staging: DRAM holds pages only in flight between HBM and NVMe (``--hiradix-dram-mode
+            staging``): a DRAM copy goes as soon as its store to NVMe or its promotion to HBM lands.
+        write_selective: SGLang HiCache's ``write_through_selective``, for measurements (the
+            simulator): back up only nodes hit again (at insert or at the hit); a node never hit
+            leaves HBM without a copy. Not a server flag: it loses the chat histories this
+            cache exists for (bench/RESULTS.md, "Selective write-through").
     """
 
     def __init__(
@@ -112,10 +120,15 @@ class TierController:
         store_key_prefix: Optional[str] = None,
         store_write_policy: str = "write_through",
         store_retry_s: float = STORE_RETRY_S,
+        dram_staging: bool = False,
+        write_selective: bool = False,
     ):
         self.tree = tree
         self.books = books
+        self.dram_staging = dram_staging
+        self.write_selective = write_selective
         low = int(DRAM_FREE_LOW * books.dram.capacity) if dram_free_low_pages is None else dram_free_low_pages
+        low = books.dram.capacity if dram_staging else low  # staging: every stored page leaves DRAM
         self.placement = Placement(tree, books, low)
         self.mover = mover
         self.client = client
@@ -156,10 +169,17 @@ class TierController:
         if not self.write_through:
             return
         nodes = [n for n in new_nodes if n.alive and not n.in_tier(Tier.DRAM) and n.in_tier(Tier.HBM)]
+        if self.write_selective:
+            nodes = [n for n in nodes if n.hit_count >= SELECTIVE_MIN_HITS]
         if nodes:
             op = self.placement.prepare(Kind.BACKUP, nodes)
             if op is not None:
                 self.mover.backup(op)
+
+    def after_hit(self, nodes: list[TreeNode]) -> None:
+        """Selective write-through only: back up the HBM-only nodes a request just hit again."""
+        if self.write_selective:
+            self.after_insert(nodes)
 
     # ------------------------------------------------------------ HBM eviction
     def evict_hbm(self, num_tokens: int) -> list[Any]:
@@ -170,7 +190,8 @@ class TierController:
         """
         self._reap(self.mover.flush())  # pending copies pin HBM slots; land them first
         left: list[TreeNode] = []
-        freed = self.placement.evict_hbm(num_tokens, backup=self._backup_now, left=left)
+        backup = (lambda n: n.hit_count >= SELECTIVE_MIN_HITS and self._backup_now(n)) if self.write_selective else self._backup_now
+        freed = self.placement.evict_hbm(num_tokens, backup=backup, left=left)
         self._store_last_copies()  # what just became DRAM-only starts down to NVMe now
         if self.store is not None:
             self.store.note_left_hbm(left)
@@ -202,8 +223,8 @@ class TierController:
 
         Returns:
             ``(read_from, waited_from)``: tokens whose DRAM copy was read from ``Tier.NVME`` /
-            ``Tier.STORE`` (whether the look-ahead window or the request started the read), and
-            those of them a request waited for at admission.
+            ``Tier.STORE`` for this use (whether the look-ahead window or the request started the
+            read; SGLang's ``storage``), and those of them a request waited for at admission.
         """
         read_from = {Tier.NVME: 0, Tier.STORE: 0}
         waited_from = {Tier.NVME: 0, Tier.STORE: 0}
@@ -214,6 +235,8 @@ class TierController:
         self.reads_ahead.used(nodes)
         self.stats.prefetch_tokens["used"] += read_from[Tier.NVME]
         self.stats.store_tokens["used"] += read_from[Tier.STORE]
+        self.stats.storage_hit_tokens["ahead"] += read_from[Tier.NVME] - waited_from[Tier.NVME]
+        self.stats.storage_hit_tokens["at_admission"] += waited_from[Tier.NVME]
         op = self.books.prepare(Kind.PROMOTE, nodes, hbm_slots=hbm_slots)
         self.mover.promote(op)
         return read_from, waited_from
@@ -430,6 +453,8 @@ class TierController:
             self._note_nvme_outcome(op.kind, ok_pages == pages)
         if op.kind == Kind.DEMOTE:
             self.placement.after_demote(op)
+        elif op.kind == Kind.PROMOTE and self.dram_staging:
+            self.placement.after_promote(op)
         elif op.kind == Kind.PREFETCH:
             self.stats.prefetch_tokens["completed"] += ok_pages * self.tree.page_size
             self.stats.prefetch_tokens["failed"] += (pages - ok_pages) * self.tree.page_size

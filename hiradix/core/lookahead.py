@@ -17,6 +17,32 @@ from hiradix.core.node import Tier, TreeMatch, TreeNode
 from hiradix.core.tree import TieredRadixTree
 
 
+@dataclass(eq=False)
+class QueuedKey:
+    """A queued request's key and what its last peek matched, so the next step revalidates the
+    matched path (O(nodes)) instead of matching the tokens again (O(tokens)).
+
+    Attributes:
+        tokens: token ids of the request's whole pages (not copied; must not change).
+        namespace: see :meth:`TieredRadixTree.match`.
+        nodes, matched_len: the last peek's path and length (``matched_len`` -1: never peeked).
+    """
+
+    tokens: Sequence[int]
+    namespace: Optional[tuple] = None
+    nodes: tuple = ()
+    matched_len: int = -1
+
+
+def peek(tree: TieredRadixTree, key: QueuedKey) -> TreeMatch:
+    """Read-only match of ``key``; reuses its last peek while the tree did not change along it."""
+    if key.matched_len >= 0 and tree.path_unchanged(key.nodes, key.tokens, key.matched_len, key.namespace):
+        return tree.summarize(key.nodes, key.matched_len)
+    m = tree.match(key.tokens, key.namespace, split=False, touch=False)
+    key.nodes, key.matched_len = m.nodes, m.matched_len
+    return m
+
+
 @dataclass
 class QueueView:
     """What the window saw in one scheduler step."""
@@ -31,7 +57,7 @@ class QueueView:
 
 def plan(
     tree: TieredRadixTree,
-    keys: Sequence[tuple[Sequence[int], Optional[tuple]]],
+    keys: Sequence[QueuedKey | tuple[Sequence[int], Optional[tuple]]],
     window: int,
     free_dram_pages: int,
 ) -> QueueView:
@@ -39,7 +65,8 @@ def plan(
 
     Args:
         tree: the tree (only peeked: nothing is split, nothing touched).
-        keys: per queued request, in queue order: ``(token ids, namespace)``.
+        keys: per queued request, in queue order: a :class:`QueuedKey` (its peek is reused
+            from step to step) or ``(token ids, namespace)``.
         window: ``W``, at most this many requests are inspected (``--hiradix-lookahead-window``).
         free_dram_pages: free DRAM pages now. Redundant DRAM copies (the node is on another
             tier too) that no request in the window needs count as free as well: a prefetch
@@ -50,22 +77,22 @@ def plan(
         per inspected request (the paper's C_free / S_kv, both in pages), capped by ``W``.
     """
     view = QueueView()
-    inspected = list(keys[:window])
+    inspected = [k if isinstance(k, QueuedKey) else QueuedKey(*k) for k in keys[:window]]
     view.window = len(inspected)
     if not inspected:
         return view
-    matches = [tree.match(tokens, namespace, split=False, touch=False) for tokens, namespace in inspected]
+    matches = [peek(tree, key) for key in inspected]
     view.matches = matches
     for pos, m in enumerate(matches):
         for node in m.nodes:
             view.needed_at.setdefault(node.id, pos)
     view.protected_nodes = len(view.needed_at)
-    mean_pages = max(1.0, sum(len(t) for t, _ in inspected) / len(inspected) / tree.page_size)
+    mean_pages = max(1.0, sum(len(k.tokens) for k in inspected) / len(inspected) / tree.page_size)
     enough = mean_pages * len(inspected)  # more reclaimable pages than this change nothing
     reclaimable = free_dram_pages
     if reclaimable < enough:
         for n in tree.candidates(Tier.DRAM):
-            if n.num_tiers > 1 and n.id not in view.needed_at:
+            if n.num_local_tiers > 1 and n.id not in view.needed_at:
                 reclaimable += len(n.dram_pages)
                 if reclaimable >= enough:
                     break

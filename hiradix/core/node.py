@@ -69,7 +69,7 @@ class TreeNode:
     last_access_s: float = 0.0  # monotonic seconds of the last match/insert touching it
     hit_count: int = 0  # times a request other than the inserter reused it
     dram_from: Optional[Tier] = None  # NVME or STORE: the DRAM copy was read from there, not promoted since
-    waited_for_read: bool = False  # ...and a request waited at admission for that read
+    waited_for_read: bool = False  # ...and a request waited at admission for that read (not read ahead)
     # hiradix.persistence: hash of the prefix through this node's last page, cached; a split
     # leaves it on the lower node (same last page) and not on the new upper one.
     chain_hash: Optional[bytes] = None
@@ -114,6 +114,12 @@ class TreeNode:
         """How many tiers hold this node's KV (0 only for the root)."""
         return ((self.hbm_slots is not None) + (self.dram_pages is not None) + (self.nvme_slots is not None)
                 + (self.store_keys is not None))
+
+    @property
+    def num_local_tiers(self) -> int:
+        """How many of this server's own tiers (HBM, DRAM, NVMe) hold its KV; a store copy is
+        only a hint (the store may have dropped it), so it never makes a local copy redundant."""
+        return (self.hbm_slots is not None) + (self.dram_pages is not None) + (self.nvme_slots is not None)
 
     @property
     def dram_from_nvme(self) -> bool:

@@ -11,7 +11,9 @@ moved. Everything that decides to drop a copy is here:
   saved to DRAM by the caller's write-back (``backup``); if it cannot be, the node's KV is
   lost, and so is what hangs below it on lower tiers (unreachable without this prefix).
 * :meth:`Placement.after_demote`: whether the DRAM copy of a page just stored on NVMe stays
-  (a DRAM hit for the next turn) or goes (DRAM is short: below ``DRAM_FREE_LOW`` free).
+  (a DRAM hit for the next turn) or goes (DRAM is short: below ``DRAM_FREE_LOW`` free; always
+  in staging mode). :meth:`Placement.after_promote`: staging mode drops a promoted page's DRAM
+  copy when NVMe holds it too.
 * :meth:`Placement.forget_nvme` / :meth:`forget`: what the copies of NVMe or the cluster store
   become when that tier is switched off.
 
@@ -122,6 +124,12 @@ class Placement:
                     and node.pinned[Tier.DRAM] == 0 and books.dram.num_free < self.dram_free_low_pages):
                 books.drop_copy(node, Tier.DRAM)
 
+    def after_promote(self, op: Transfer) -> None:
+        """Staging mode only: a promotion to HBM landed; drop the DRAM copies NVMe also holds."""
+        for node in op.nodes:
+            if node.alive and node.in_tier(Tier.NVME) and node.in_tier(Tier.DRAM) and node.pinned[Tier.DRAM] == 0:
+                self.books.drop_copy(node, Tier.DRAM)
+
     def demotion_order(self, limit: Optional[int] = None) -> list[TreeNode]:
         """DRAM-only nodes not in a transfer, in policy order: the next (at most ``limit``) to store to NVMe."""
         todo = [n for n in self.tree.sole_copies(Tier.DRAM) if n.pinned[Tier.DRAM] == 0]
@@ -182,7 +190,9 @@ class Placement:
         for node in self.tree.victims(Tier.HBM):
             if evicted >= num_tokens:
                 break
-            if node.num_tiers == 1 and (backup is None or not backup(node)):
+            if node.num_local_tiers == 1 and (backup is None or not backup(node)) and node.num_tiers == 1:
+                # No copy anywhere else (a store copy keeps the node and what hangs below it):
+                # the KV is lost, and so is what hangs below it, unreachable without it.
                 for child in list(node.children.values()):
                     self.books.drop_subtree(child)
                 if node.children:

@@ -3,7 +3,7 @@
 :class:`TieredPrefixCache` is what SGLang's ``BasePrefixCache`` contract
 (``sglang/srt/mem_cache/base_prefix_cache.py``) asks of a radix cache, in the core's own terms:
 token ids, a namespace, device slot arrays from a :class:`~hiradix.core.ports.DevicePool`.
-The server's seam (:class:`hiradix.sglang_plugin.cache.HiRadixCache`) translates SGLang's
+The server's seam (:class:`hiradix.sglang_plugin.cache.TieredRadixCache`) translates SGLang's
 ``RadixKey``/``Req``/``MatchResult`` into these calls; the trace simulator (``bench/simulate.py``)
 makes the same calls over data-less ports, so it proves what the server does.
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from hiradix.core.controller import TierController
-from hiradix.core.lookahead import QueueView, plan
+from hiradix.core.lookahead import QueuedKey, QueueView, plan
 from hiradix.core.node import IntegrityError, Tier, TreeMatch, TreeNode
 from hiradix.core.placement import Placement
 from hiradix.core.ports import DevicePool, Slots
@@ -96,6 +96,8 @@ class TieredPrefixCache:
         """
         m = self.tree.match(tokens, namespace)
         if self.tiers is not None:
+            if m.hbm_len and self.tiers.write_selective:
+                self.tiers.after_hit(m.stage(Tier.HBM))
             self._start_reads(m, tokens, namespace, ahead=False)
         return m
 
@@ -261,8 +263,11 @@ class TieredPrefixCache:
         if self.check_every_step:
             self.check_integrity()
 
-    def observe_queue(self, keys: Sequence[tuple[Key, Namespace]]) -> Optional[QueueView]:
+    def observe_queue(self, keys: Sequence[QueuedKey | tuple[Key, Namespace]]) -> Optional[QueueView]:
         """Look ahead over the waiting requests' keys, in queue order (policies that use the queue).
+
+        Pass each request's :class:`QueuedKey` again every step: its last peek is revalidated
+        (O(path nodes)) instead of matching its tokens again.
 
         Hands the policy this step's view (what queued requests need: soft protection) and
         starts NVMe -> DRAM reads for the requests inside the prefetch window.
@@ -278,7 +283,8 @@ class TieredPrefixCache:
             for nodes in view.prefetch:
                 self.tiers.prefetch(nodes, self.load_timeout_s, ahead=True)
             if self.tiers.store_enabled:
-                for m, (tokens, namespace) in zip(view.matches[: view.prefetch_window], window):
+                for m, key in zip(view.matches[: view.prefetch_window], window):
+                    tokens, namespace = (key.tokens, key.namespace) if isinstance(key, QueuedKey) else key
                     self._start_store_reads(m, tokens, namespace, ahead=True)
         self.last_view = view
         return view

@@ -8,11 +8,11 @@ copies the read would displace. The look-ahead window does the same for requests
 (:mod:`hiradix.core.lookahead`); this is for the conversations predicted to come back.
 
 The DRAM such a read may use: free DRAM pages above the placement's low-water mark, plus
-redundant DRAM copies (the node is on another tier too) that rank below the prefix read (so none
-a queued request needs) and were not themselves read ahead and left unused since. Last copies
-are never displaced. The caller bounds the
-pages in flight (``max_pages``) and runs the reads at background priority, behind every read a
-request waits for.
+redundant DRAM copies (the node is on another local tier too; a store copy is only a hint) that
+rank below the prefix read (so none a queued request needs) and were not themselves read ahead
+and left unused since. Last local copies are never displaced. The caller bounds the pages in
+flight (``max_pages``) and runs the reads at background priority, behind every read a request
+waits for.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def plan(tree: TieredRadixTree, key: Callable[[TreeNode, Tier], tuple], free_pag
     # Redundant DRAM copies, most valuable first (pop() = least); not those read ahead and not
     # used yet, so two prefixes never displace each other in turn.
     victims = sorted(((key(n, Tier.DRAM), len(n.dram_pages)) for n in tree.candidates(Tier.DRAM)
-                      if n.num_tiers > 1 and n.dram_from is None), reverse=True)
+                      if n.num_local_tiers > 1 and n.dram_from is None), reverse=True)
     room, budget, out = free_pages, max_pages, []
     for leaf in best:
         tail = unread_tail(tree, leaf, src)

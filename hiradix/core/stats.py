@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from hiradix.core.ledger import Kind
 
 PREFETCH_OUTCOMES = ("started", "completed", "failed", "used", "wasted")
+STORAGE_HIT_READS = ("ahead", "at_admission")
 STORE_OUTCOMES = ("used",)  # the store tier's other counts live in StoreTier.counts
 READ_AHEAD_OUTCOMES = ("started", "used", "wasted")
 
@@ -22,6 +23,9 @@ class TierStats:
             failed, used (promoted to HBM for a request, whether the look-ahead window or a
             waiting request started the read), wasted (dropped from DRAM before any use; the
             ledger counts those, ``TierBooks.wasted_prefetch_tokens``).
+        storage_hit_tokens: NVMe hits (tokens promoted to HBM from a DRAM copy read up from NVMe
+            for that use) by who started the read: ``ahead`` (the look-ahead window, while the
+            request was still queued) or ``at_admission`` (the request's own match at admission).
         store_tokens: tokens fetched from the cluster store that were promoted to HBM (used).
         read_ahead_tokens: reads for predicted returns (``hiradix.core.returns``), in tokens:
             started, used (a request loaded them from DRAM), wasted (left DRAM unused).
@@ -32,6 +36,7 @@ class TierStats:
     bytes_moved: dict[str, int] = field(default_factory=lambda: {k.name: 0 for k in Kind})
     transfers_failed: dict[str, int] = field(default_factory=lambda: {k.name: 0 for k in Kind})
     prefetch_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREFETCH_OUTCOMES, 0))
+    storage_hit_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STORAGE_HIT_READS, 0))
     store_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STORE_OUTCOMES, 0))
     read_ahead_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(READ_AHEAD_OUTCOMES, 0))
     admission_skips: int = 0

@@ -17,7 +17,8 @@ may drop an object at any time, so a store copy is confirmed only by a GET that 
   store copy). ``STORE_FAILURES_IN_ROW`` failed store jobs of one direction in a row (PUTs; GETs and lookups
   that failed as a whole) switch the tier off, with
   one warning: its records are forgotten and nothing is sent to the store until it is tried
-  again ``STORE_RETRY_S`` later (doubling up to ``STORE_RETRY_MAX_S`` while it keeps failing).
+  again ``STORE_RETRY_S`` later (doubling up to ``STORE_RETRY_MAX_S`` while it keeps failing;
+  those retries are logged at info level, and one warning says when it works again).
 
 Keys are :mod:`hiradix.core.keys` content addresses: ``key_prefix`` (the KV fingerprint) + the
 page hash, so a different model, page size or TP shard never reuses a key and requests with
@@ -45,10 +46,11 @@ STORE_RETRY_S = 30.0  # first wait before a switched-off store is tried again
 STORE_RETRY_MAX_S = 600.0  # longest wait between tries
 MAX_PUTS_IN_FLIGHT = 32  # PUT jobs in flight, each one node
 MAX_LOOKUP_PAGES = 4096  # pages asked for in one lookup
-# A key whose GET missed is not looked up again until this many more ops were opened: the
-# store's ``exists`` may keep saying "present" after a holder died (Mooncake: ~10 s), and a
-# lookup -> GET -> miss loop would keep a request waiting past its deadline. Op ids advance the
-# same on every TP rank, so the ranks skip the same lookups.
+# A key where a lookup's run ended, or whose GET missed, is not looked up again until this many
+# more ops were opened: admission retries a skipped request every step, and each retry would
+# ask again and wait again (the store's ``exists`` may even keep saying "present" after a holder
+# died, Mooncake: ~10 s, so lookup -> GET -> miss could loop). Op ids advance the same on every
+# TP rank, so the ranks skip the same lookups.
 MISS_HOLD_OPS = 1024
 MAX_MISSED_KEYS = 4096
 WRITE_POLICIES = ("write_through", "write_back")
@@ -100,6 +102,7 @@ class StoreTier:
         self._retry_at_s: Optional[float] = None
         self.retry_s = retry_s
         self._retry_wait_s = retry_s
+        self._warned = False  # a switch-off was warned about, and the store has not worked since
         self.counts = dict.fromkeys(("lookup_pages", "lookup_found_pages", "put_pages", "put_failed_pages",
                                      "get_pages", "get_failed_pages", "switch_offs"), 0)
 
@@ -181,6 +184,17 @@ class StoreTier:
         self.counts["lookup_pages"] += len(keys)
         return lookup
 
+    def _hold(self, keys: Sequence[str]) -> None:
+        """Do not look ``keys`` up again for ``MISS_HOLD_OPS`` ops: each ends a run the store
+        does not hold (a lookup said so, or a GET missed), and the admission retrying the same
+        request would otherwise ask again and wait again, forever."""
+        now = self.books.new_op_id()
+        for key in keys:
+            self._missed[key] = now
+            self._missed.move_to_end(key)
+        while len(self._missed) > MAX_MISSED_KEYS:
+            self._missed.popitem(last=False)
+
     def _recently_missed(self, key: str) -> bool:
         at = self._missed.get(key)
         if at is None:
@@ -201,6 +215,8 @@ class StoreTier:
             return None
         self._by_hash.pop(lookup.first_hash, None)
         self.counts["lookup_found_pages"] += found_pages
+        if found_pages < len(lookup.keys):
+            self._hold([lookup.keys[max(0, found_pages)]])  # where the run ends: not asked again for a while
         parent, ps = lookup.parent, self.tree.page_size
         if found_pages <= 0 or not self.enabled or (parent is not self.tree.root and not parent.alive):
             return None
@@ -223,18 +239,15 @@ class StoreTier:
             self.counts["get_pages"] += ok_pages
             self.counts["get_failed_pages"] += pages - ok_pages
         if missed_keys:
-            now = self.books.new_op_id()
-            for key in missed_keys:
-                self._missed[key] = now
-                self._missed.move_to_end(key)
-            while len(self._missed) > MAX_MISSED_KEYS:
-                self._missed.popitem(last=False)
+            self._hold(missed_keys)
         failed = aborted or (kind == Kind.PUT and ok_pages < pages)
         direction = "writes" if kind == Kind.PUT else "reads"
         streak = self._failures_in_row[direction] + 1 if failed else 0
         self._failures_in_row[direction] = streak
-        if not failed:
-            self._retry_wait_s = self.retry_s  # it works: the next switch-off waits the least again
+        if kind is not None and ok_pages > 0:  # data moved: the store works (a lookup tells nothing)
+            if self._warned:
+                logger.warning("hiradix: the cluster store works again")
+            self._retry_wait_s, self._warned = self.retry_s, False
         if streak >= STORE_FAILURES_IN_ROW:
             self.switch_off(f"{streak} store {direction} in a row failed (see the I/O worker's warnings)")
 
@@ -247,14 +260,18 @@ class StoreTier:
         self._retry_at_s = self.clock() + self._retry_wait_s
         self._to_put.clear()
         forgotten = self.placement.forget(Tier.STORE)
-        logger.warning("hiradix: cluster store switched off: %s; %d store records forgotten; "
-                       "serving from the local tiers, trying the store again in %.0f s",
-                       reason, forgotten, self._retry_wait_s)
+        if self._warned:  # one warning until it works again; the failed retries go to the info log
+            logger.info("hiradix: cluster store still unusable: %s; next try in %.0f s", reason, self._retry_wait_s)
+        else:
+            logger.warning("hiradix: cluster store switched off: %s; %d store records forgotten; "
+                           "serving from the local tiers, trying the store again in %.0f s",
+                           reason, forgotten, self._retry_wait_s)
+            self._warned = True
 
     def step(self) -> None:
         """Per step: share what is queued; try a switched-off store again when its wait is over."""
         if not self.enabled and self._retry_at_s is not None and self.clock() >= self._retry_at_s:
-            logger.warning("hiradix: trying the cluster store again (off since: %s)", self.off_reason)
+            logger.info("hiradix: trying the cluster store again (off since: %s)", self.off_reason)
             self.off_reason, self._retry_at_s = None, None
             self._failures_in_row = dict.fromkeys(self._failures_in_row, 0)
             self._retry_wait_s = min(STORE_RETRY_MAX_S, self._retry_wait_s * 2)

@@ -33,7 +33,7 @@ import time
 from array import array
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from hiradix.core.node import NUM_TIERS, IntegrityError, Tier, TreeMatch, TreeNode, require
+from hiradix.core.node import NUM_TIERS, IntegrityError, Tier, TreeMatch, TreeNode
 from hiradix.core.policy import EvictionPolicy, LRUPolicy
 
 __all__ = ["IntegrityError", "Tier", "TieredRadixTree", "TreeMatch", "TreeNode"]
@@ -161,6 +161,28 @@ class TieredRadixTree:
         last = nodes[-1] if nodes else self.root
         return TreeMatch(lens[0], ends[0], lens[1], ends[1], lens[2], ends[2], tuple(nodes), last,
                          store_len=lens[3], store_node=ends[3], matched_len=matched)
+
+    def summarize(self, nodes: Sequence[TreeNode], matched: int) -> TreeMatch:
+        """The :class:`TreeMatch` of a path of ``matched`` tokens (read-only; see :meth:`match`)."""
+        return self._summarize(list(nodes), matched)
+
+    def path_unchanged(self, nodes: Sequence[TreeNode], tokens: Sequence[int], matched: int,
+                       namespace: Optional[tuple] = None) -> bool:
+        """Whether a peek of ``tokens`` that matched ``nodes`` (``matched`` tokens) would still
+        match them: no node on the path was split or deleted, and none was added after it.
+
+        O(len(nodes)): a split or a deletion changes some node's ``parent``; a new node after a
+        path that ended on a node boundary is a child for the next page.
+        """
+        parent, total = self.root, 0
+        for node in nodes:
+            if node.parent is not parent:
+                return False
+            parent, total = node, total + node.num_tokens
+        if total > matched:
+            return True  # the peek ended inside the last node
+        limit = len(tokens) - len(tokens) % self.page_size
+        return matched >= limit or self._child_key(parent, tokens, matched, namespace) not in parent.children
 
     def touch(self, tokens: Sequence[int], namespace: Optional[tuple] = None) -> None:
         """Refresh recency along the cached path of ``tokens`` without splitting."""
@@ -386,32 +408,32 @@ class TieredRadixTree:
         return delta
 
     # ---------------------------------------------------------------- evict
-    def victims(self, tier: Tier, redundant_only: bool = False) -> Iterator[TreeNode]:
+    def victims(self, tier: Tier) -> Iterator[TreeNode]:
         """Eviction candidates of ``tier`` in policy order, re-checked lazily.
 
-        The caller detaches (or demotes) each yielded node before asking for the next;
-        a parent that becomes a candidate meanwhile is yielded in its turn.
-        ``redundant_only`` yields only nodes that another tier also holds.
+        The caller detaches (or backs up) each yielded node before asking for the next; a
+        parent that becomes a candidate meanwhile is yielded in its turn.
         """
         key = self.policy.priority
         cands = self._candidates[tier]
-        heap = [(key(n, tier), n.id, n) for n in cands if not redundant_only or n.num_tiers > 1]
+        heap = [(key(n, tier), n.id, n) for n in cands]
         heapq.heapify(heap)
         while heap:
             _, _, node = heapq.heappop(heap)
-            if node not in cands or (redundant_only and node.num_tiers < 2):
+            if node not in cands:
                 continue
             parent = node.parent
             yield node
-            if parent is not None and parent in cands and (not redundant_only or parent.num_tiers > 1):
+            if parent is not None and parent in cands:
                 heapq.heappush(heap, (key(parent, tier), parent.id, parent))
 
     def plan_evict(self, tier: Tier, num_pages: int, allow_sole: bool) -> list[TreeNode]:
         """Choose copies of ``tier`` (DRAM or NVMe) to drop so ``num_pages`` pages come free.
 
-        Read-only: nothing changes. Policy order within two passes: copies another tier also
-        holds first; then, if ``allow_sole``, last copies, each node after its children in this
-        tier (dropping a last copy deletes the node, which may make its parent a leaf).
+        Read-only: nothing changes. Policy order within two passes: copies another local tier
+        also holds first; then, if ``allow_sole``, last local copies (a store copy is only a
+        hint), each node after its children in this tier (dropping a last copy deletes the
+        node, which may make its parent a leaf).
 
         Returns:
             The nodes, in the order to drop them (children before parents): just enough for
@@ -421,7 +443,7 @@ class TieredRadixTree:
         cands = self._candidates[tier]
         chosen: list[TreeNode] = []
         freed = 0
-        for node in sorted((n for n in cands if n.num_tiers > 1), key=lambda n: (key(n, tier), n.id)):
+        for node in sorted((n for n in cands if n.num_local_tiers > 1), key=lambda n: (key(n, tier), n.id)):
             if freed >= num_pages:
                 return chosen
             chosen.append(node)
@@ -429,7 +451,7 @@ class TieredRadixTree:
         if freed >= num_pages or not allow_sole:
             return chosen
         gone: set[TreeNode] = set()
-        heap = [(key(n, tier), n.id, n) for n in cands if n.num_tiers == 1]
+        heap = [(key(n, tier), n.id, n) for n in cands if n.num_local_tiers == 1]
         heapq.heapify(heap)
         while heap and freed < num_pages:
             _, _, node = heapq.heappop(heap)
@@ -536,50 +558,14 @@ class TieredRadixTree:
         Raises:
             IntegrityError: naming the first broken invariant.
         """
-        evictable = protected = 0
-        tier_tokens = [0] * NUM_TIERS
-        seen_slots: set[int] = set()
-        cands: list[set] = [set() for _ in Tier]
-        sole: list[set] = [set() for _ in Tier]
-        for node in self.iter_nodes():
-            self._check_node(node, seen_slots)
-            tiers = node.tiers()
-            if len(tiers) == 1:
-                sole[tiers[0]].add(node)
-            for tier in tiers:
-                tier_tokens[tier] += node.num_tokens
-                if self._is_candidate(node, tier):
-                    cands[tier].add(node)
-            if node.hbm_slots is not None:
-                if node.lock_ref > 0:
-                    protected += node.num_tokens
-                else:
-                    evictable += node.num_tokens
-        require(evictable == self.hbm_evictable_tokens, f"HBM evictable {self.hbm_evictable_tokens} != recount {evictable}")
-        require(protected == self.hbm_protected_tokens, f"HBM protected {self.hbm_protected_tokens} != recount {protected}")
-        require(tier_tokens == self.tier_tokens, f"tier tokens {self.tier_tokens} != recount {tier_tokens}")
-        for tier in Tier:
-            extra, missing = self._candidates[tier] - cands[tier], cands[tier] - self._candidates[tier]
-            require(not extra and not missing, f"{tier.name} candidates differ: extra={extra} missing={missing}")
-            require(sole[tier] == self._sole[tier], f"{tier.name} sole-copy set differs")
+        from hiradix.core.tree_integrity import check_tree
 
-    def _check_node(self, node: TreeNode, seen_slots: set[int]) -> None:
-        ps, parent = self.page_size, node.parent
-        require(parent is not None and parent.children.get(self._key_in_parent(node)) is node, f"{node} not indexed by its parent")
-        require(node.num_tokens > 0 and node.num_tokens % ps == 0, f"{node} key not page-aligned")
-        require(bool(node.tiers()), f"{node} is held by no tier")
-        require(node.namespace == parent.namespace or parent is self.root, f"{node} namespace differs from parent")
-        child_locks = sum(c.lock_ref for c in node.children.values())
-        require(node.lock_ref >= child_locks, f"{node} lock_ref {node.lock_ref} < children's {child_locks}")
-        if node.lock_ref > 0:
-            require(node.hbm_slots is not None, f"{node} locked but not in HBM")
-        if node.hbm_slots is not None:
-            require(parent is self.root or parent.hbm_slots is not None, f"{node} in HBM but parent {parent} is not")
-            require(len(node.hbm_slots) == node.num_tokens, f"{node} has {len(node.hbm_slots)} HBM slots")
-            slots = node.hbm_slots.tolist() if hasattr(node.hbm_slots, "tolist") else list(node.hbm_slots)
-            before = len(seen_slots)
-            seen_slots.update(slots)
-            require(len(seen_slots) - before == len(slots), f"{node} shares an HBM slot with another node")
-        for pages in (node.dram_pages, node.nvme_slots, node.store_keys):
-            if pages is not None:
-                require(len(pages) == node.num_tokens // ps, f"{node} has {len(pages)} pages for {node.num_tokens} tokens")
+        check_tree(self)
+
+    def is_candidate(self, node: TreeNode, tier: Tier) -> bool:
+        """Whether ``node``'s copy in ``tier`` may be evicted now (the rule behind :meth:`candidates`)."""
+        return self._is_candidate(node, tier)
+
+    def key_in_parent(self, node: TreeNode) -> tuple:
+        """The key ``node`` is indexed by in its parent's children."""
+        return self._key_in_parent(node)

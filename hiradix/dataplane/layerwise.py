@@ -2,8 +2,9 @@
 
 Streaming contract, written down once:
 
-* ``submit(op_id, copy_layer)`` queues one promotion; ``copy_layer(i)`` copies layer ``i`` of
-  its pages from DRAM into its HBM slots.
+* ``submit(op_id, copy_layer)`` queues one promotion (or, with a list of op ids, one copy
+  plan that serves several: the CUDA mover merges a batch's promotions into one); ``copy_layer(i)``
+  copies layer ``i`` of its pages from DRAM into its HBM slots.
 * ``start()`` is called once per batch after its promotions are queued (SGLang's
   ``ready_to_load_host_cache``) and returns the producer index that the batch carries as
   ``hicache_consumer_index``; ``-1`` when nothing was queued.
@@ -24,14 +25,15 @@ promotions whose every layer has landed, so their DRAM pages can be unpinned.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from collections.abc import Sequence
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 
 @dataclass(eq=False)
 class _Load:
-    op_id: int
+    op_ids: tuple[int, ...]
     copy_layer: Callable[[int], None]
     next_layer: int = 0  # layers [0, next_layer) are done (CPU mode)
     producer: int = -1  # CUDA: LayerDoneCounter slot whose events track this load
@@ -63,9 +65,10 @@ class LayerwiseLoader:
             self._counter = counter_factory(num_layers)
             self._stream = torch.cuda.Stream(device=device)
 
-    def submit(self, op_id: int, copy_layer: Callable[[int], None]) -> None:
-        """Queue a promotion; its copies start at the next :meth:`start`."""
-        self._queued.append(_Load(op_id, copy_layer))
+    def submit(self, op_id: Union[int, Sequence[int]], copy_layer: Callable[[int], None]) -> None:
+        """Queue a promotion (or one plan serving the promotions ``op_id``); copies start at :meth:`start`."""
+        op_ids = (op_id,) if isinstance(op_id, int) else tuple(op_id)
+        self._queued.append(_Load(op_ids, copy_layer))
 
     def start(self) -> int:
         """Start the queued promotions; returns the producer index, or -1 if none."""
@@ -122,7 +125,7 @@ class LayerwiseLoader:
                 else load.next_layer >= self.num_layers
             )
             if landed:
-                done.append(load.op_id)
+                done.extend(load.op_ids)
             else:
                 still.append(load)
         self._active = still

@@ -226,17 +226,8 @@ def store_pages(
         ValueError: a shape, dtype or length mismatch, or repeated page ids.
         IndexError: a page id or token slot out of range.
     """
-    _check_dram(dram_tensor, layout)
-    ids = _page_ids_tensor(page_ids)
+    ids = _check_store_args(k_buffers, v_buffers, token_slots, dram_tensor, page_ids, layout)
     num_pages = ids.numel()
-    _check_slots(token_slots, num_pages, layout)
-    if ids.unique().numel() != num_pages:
-        raise ValueError(f"page_ids must be distinct, got {ids.tolist()}")
-    if len(k_buffers) != layout.num_layers or len(v_buffers) != layout.num_layers:
-        raise ValueError(f"expected {layout.num_layers} K and V buffers, got {len(k_buffers)}/{len(v_buffers)}")
-    for layer in range(layout.num_layers):
-        _check_device_buffer(k_buffers[layer], layout, f"k_buffers[{layer}]")
-        _check_device_buffer(v_buffers[layer], layout, f"v_buffers[{layer}]")
     device = k_buffers[0].device
     slots = token_slots.to(device=device, dtype=torch.int64)
     dram = _dram_pages(dram_tensor, layout)
@@ -250,6 +241,29 @@ def store_pages(
         else:
             for layer in range(layout.num_layers):
                 dram[layer].index_copy_(0, ids[start:stop], host[layer])
+
+
+def _check_store_args(
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor],
+    token_slots: torch.Tensor,
+    dram_tensor: torch.Tensor,
+    page_ids: Sequence[int] | torch.Tensor,
+    layout: KVLayout,
+) -> torch.Tensor:
+    """Validate the arguments of an HBM -> DRAM store; returns the page ids as a CPU int64 tensor."""
+    _check_dram(dram_tensor, layout)
+    ids = _page_ids_tensor(page_ids)
+    num_pages = ids.numel()
+    _check_slots(token_slots, num_pages, layout)
+    if ids.unique().numel() != num_pages:
+        raise ValueError(f"page_ids must be distinct, got {ids.tolist()}")
+    if len(k_buffers) != layout.num_layers or len(v_buffers) != layout.num_layers:
+        raise ValueError(f"expected {layout.num_layers} K and V buffers, got {len(k_buffers)}/{len(v_buffers)}")
+    for layer in range(layout.num_layers):
+        _check_device_buffer(k_buffers[layer], layout, f"k_buffers[{layer}]")
+        _check_device_buffer(v_buffers[layer], layout, f"v_buffers[{layer}]")
+    return ids
 
 
 def _gather_device(
@@ -304,8 +318,10 @@ def load_layer(
 
     DRAM page ``page_ids[i]`` of ``layer`` lands in rows ``token_slots[i*ps:(i+1)*ps]`` of
     ``k_buffer``/``v_buffer``. The ``n`` extents of ``layer_page_bytes`` are gathered on the
-    host (``index_select``), copied to the device once, and scattered with ``index_copy_``.
-    Synchronous on the CPU; on CUDA it is ordered on the current stream. Mirrors HiCache's
+    host (``index_select``, into pageable memory), copied to the device once, and scattered
+    with ``index_copy_``. Synchronous: on CUDA the host waits for the copy, so this is the path
+    of a pageable DRAM pool only; a pinned pool loads through
+    :class:`hiradix.dataplane.device_copy.LayerLoad`. Mirrors HiCache's
     ``load_to_device_per_layer`` (``pool_host/mha.py``).
 
     Args:

@@ -6,23 +6,33 @@ Carries out the BACKUP (HBM -> DRAM) and PROMOTE (DRAM -> HBM) transfers that th
 Only op ids come back (:meth:`HostMover.finished`), never tree nodes.
 
 Backups are asynchronous: on CUDA they run on a side stream after the forward stream's
-current work and complete when their event fires; on CPU they are queued at checkpoint time
-and copied in one batch at the next scheduler step (or earlier, when an eviction needs the
-pinned slots). Promotions go through :class:`hiradix.dataplane.layerwise.LayerwiseLoader`,
-layer by layer.
+current work and complete when their event fires (into a pinned DRAM pool every copy is
+``non_blocking``, :func:`hiradix.dataplane.device_copy.store_pages_async`; into a pageable one
+the host waits for each chunk); on CPU they are queued at checkpoint time and copied in one
+batch at the next scheduler step (or earlier, when an eviction needs the pinned slots).
+Promotions go through :class:`hiradix.dataplane.layerwise.LayerwiseLoader`, layer by layer: on
+CUDA with a pinned pool, the promotions of one batch are merged into one
+:class:`hiradix.dataplane.device_copy.LayerLoad` at :meth:`HostMover.start_loading` (a few
+kernels per layer for the whole batch); otherwise each promotion copies with
+:func:`hiradix.dataplane.layout.load_layer`.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from hiradix.core.ledger import Kind, Transfer
+from hiradix.dataplane import device_copy
 from hiradix.dataplane import layout as kv_layout
 from hiradix.dataplane.layerwise import LayerwiseLoader
 from hiradix.tiers.dram import DramPool
+from hiradix.tiers.pinned import host_pointer_usable_on_device
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -36,11 +46,16 @@ class HostMover:
 
     Args:
         kv_pool: SGLang's ``MHATokenToKVPool`` (per-layer ``k_buffer``/``v_buffer``).
-        dram: the DRAM tier's shared-memory pool.
+        dram: the DRAM tier's shared-memory pool (pinned with ``DramPool.pin_for_cuda`` on CUDA).
         loader: the per-layer load counter registered with the KV pool.
+        load_path: force a DRAM -> HBM path (``device_copy.LOAD_PATHS``; gpu_check, tests);
+            None chooses with :func:`hiradix.dataplane.device_copy.choose_load_path`.
+
+    Attributes:
+        load_path: the DRAM -> HBM path in use (``"gather"``, ``"runs"`` or ``"host"``).
     """
 
-    def __init__(self, kv_pool: Any, dram: DramPool, loader: LayerwiseLoader):
+    def __init__(self, kv_pool: Any, dram: DramPool, loader: LayerwiseLoader, load_path: Optional[str] = None):
         self.kv_pool = kv_pool
         self.dram = dram
         self.layout = dram.layout
@@ -48,6 +63,30 @@ class HostMover:
         self.cuda = loader.cuda
         self._backups: list[_Backup] = []
         self._stream = torch.cuda.Stream() if self.cuda else None
+        self._pending: list[tuple[int, list[int], torch.Tensor]] = []  # merged promotions (not "host")
+        self._source: Optional[torch.Tensor] = None  # the pool's device mapping ("gather")
+        self.load_path = self._choose_path(load_path)
+
+    def _choose_path(self, forced: Optional[str]) -> str:
+        """Decide the DRAM -> HBM path once (and map the pool for ``gather``); logs the choice."""
+        device = self._k()[0].device
+        pinned = self.dram.cuda_pinned
+        ok = host_pointer_usable_on_device(device.index or 0) if self.cuda and pinned else None
+        path, reason = device_copy.choose_load_path(self.cuda, pinned, ok)
+        if forced is not None:
+            if forced not in device_copy.LOAD_PATHS:
+                raise ValueError(f"unknown load path {forced!r}; choose one of {device_copy.LOAD_PATHS}")
+            path, reason = forced, "forced"
+        if path == "gather":
+            if self.cuda:
+                self._source, why = device_copy.mapped_view(self.dram.tensor, device)
+            else:  # CPU tests and gpu_check's dry run: the pool is its own "device view"
+                self._source, why = self.dram.tensor, "CPU"
+            if self._source is None:
+                path, reason = "runs", f"pinned DRAM cannot be mapped ({why}): one DMA copy per contiguous extent"
+        if self.cuda:
+            logger.info("hiradix DRAM -> HBM path: %s (%s)", path, reason)
+        return path
 
     def _k(self) -> list[torch.Tensor]:
         return self.kv_pool.k_buffer
@@ -76,22 +115,44 @@ class HostMover:
 
     def _copy_backup(self, op: Transfer) -> None:
         slots = self._slots(op)
-        kv_layout.store_pages(self._k(), self._v(), slots, self.dram.tensor, op.dst_ids, self.layout)
+        if self.cuda and self.dram.cuda_pinned:
+            device_copy.store_pages_async(self._k(), self._v(), slots, self.dram.tensor, op.dst_ids, self.layout)
+        else:
+            kv_layout.store_pages(self._k(), self._v(), slots, self.dram.tensor, op.dst_ids, self.layout)
 
     # --------------------------------------------------------------- promote
     def promote(self, op: Transfer) -> None:
-        """Queue ``op``'s DRAM -> HBM copy with the layer-wise loader."""
+        """Queue ``op``'s DRAM -> HBM copy (merged with the batch's others unless the path is ``host``)."""
         assert op.kind == Kind.PROMOTE
         slots = self._slots(op)
         pages = list(op.src_ids)
+        if self.load_path != "host":
+            self._pending.append((op.op_id, pages, slots))
+            return
 
         def copy_layer(layer: int) -> None:
             kv_layout.load_layer(self._k()[layer], self._v()[layer], layer, self.dram.tensor, pages, slots, self.layout)
 
         self.loader.submit(op.op_id, copy_layer)
 
+    def _submit_pending(self) -> None:
+        """Hand the merged promotions to the loader as one :class:`LayerLoad` (all their op ids)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        pages = [page for _, op_pages, _ in pending for page in op_pages]
+        parts = [slots for _, _, slots in pending]
+        slots = parts[0] if len(parts) == 1 else torch.cat(parts)
+        load = device_copy.LayerLoad(self.dram.tensor, pages, slots, self.layout, self.load_path, self._source)
+
+        def copy_layer(layer: int) -> None:
+            load.copy_layer(layer, self._k()[layer], self._v()[layer])
+
+        self.loader.submit([op_id for op_id, _, _ in pending], copy_layer)
+
     def start_loading(self) -> int:
         """Start the promotions queued for the batch being built; returns its consumer index."""
+        self._submit_pending()
         return self.loader.start()
 
     # ------------------------------------------------------------ completion
@@ -112,6 +173,7 @@ class HostMover:
 
     def flush(self) -> list[int]:
         """Finish every pending copy now; returns all op ids that completed."""
+        self._submit_pending()
         self.loader.flush()
         if self.cuda and self._backups:
             self._stream.synchronize()
@@ -120,4 +182,5 @@ class HostMover:
     def drop_pending(self) -> None:
         """Forget pending copies without running them (after :meth:`flush`, on reset)."""
         self._backups.clear()
+        self._pending.clear()
         self.loader.reset()

@@ -58,6 +58,8 @@ class Faults:
             flipped before verification; 0 = never.
         truncate_on_job: Truncate ``nvme.kv`` when this job arrives, before it runs; 0 = never.
         truncate_keep: Fraction of the file's size that truncation keeps, in ``[0, 1)``.
+        only_rank: The faults apply to the worker of this TP rank only (a rank whose I/O is
+            slower than the others'); -1 (default) = every rank.
     """
 
     crash_on_job: int = 0
@@ -72,6 +74,11 @@ class Faults:
     corrupt_read: int = 0
     truncate_on_job: int = 0
     truncate_keep: float = 0.5
+    only_rank: int = -1
+
+    def for_rank(self, tp_rank: int) -> Faults:
+        """The faults of the worker of ``tp_rank`` (none when ``only_rank`` names another rank)."""
+        return self if self.only_rank < 0 or self.only_rank == tp_rank else Faults()
 
     @classmethod
     def parse(cls, text: str) -> Faults:

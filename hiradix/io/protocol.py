@@ -312,6 +312,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
         store_config: The backend's config as JSON text (``--hiradix-store-config``).
         store_threads: Store jobs run concurrently, on their own threads (a slow store never
             delays NVMe jobs).
+        tp_rank: The TP rank this worker serves (names it in logs; test faults may target one).
     """
 
     dram_path: str
@@ -327,6 +328,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     store_backend: str = ""
     store_config: str = ""
     store_threads: int = 2
+    tp_rank: int = 0
 
     def to_json(self) -> str:
         """Serialize to a JSON string (the worker's ``--spec`` argument)."""

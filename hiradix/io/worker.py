@@ -42,6 +42,8 @@ reads the same switch):
                       is flipped after the read, before the trailer's checksum is verified
     truncate_on_job=N when the N-th job arrives, nvme.kv is truncated (on disk) to
                       ``truncate_keep`` of its size (default 0.5, aligned down to 4096 bytes)
+    only_rank=R       the faults above apply to the worker of TP rank R only (the others
+                      run clean): ranks whose I/O completes at different times
 
 An unknown key or a bad value makes the worker answer ``StartFailed`` and exit 1.
 ``HIRADIX_LOG_LEVEL`` (e.g. ``DEBUG``) sets the worker's logging level; WARNING by default.
@@ -117,7 +119,7 @@ class Worker:
             OSError: A tier's file cannot be opened.
         """
         ensure_private_dir(Path(spec.socket_dir))
-        self.faults = FaultInjector(Faults.from_env(), Path(spec.socket_dir) / CRASH_LOG_NAME)
+        self.faults = FaultInjector(Faults.from_env().for_rank(spec.tp_rank), Path(spec.socket_dir) / CRASH_LOG_NAME)
         layout = KVLayout.from_json(spec.layout)
         if not layout.page_major:
             raise ValueError("the I/O worker moves whole pages; it needs a page-major layout")

@@ -1,18 +1,22 @@
 """Assembly of one scheduler process's tiers: media, I/O worker, movers, locks, rank agreement.
 
 :func:`build_tiers` makes the real :class:`hiradix.core.controller.TierController` of one TP
-rank: an anonymous shared-memory DRAM pool, an NVMe slot file served by a spawned I/O worker
-(with its durable index, re-indexed into the tree at start), the in-process host mover and the
-layer-wise loader, and the TP agreement over SGLang's CPU group. Process-level setup happens
-here and only here: removing socket directories of dead schedulers, locking the NVMe
-directory against a second server, spawning the worker.
+rank: an anonymous shared-memory DRAM pool (pinned for CUDA when the device pool is on a GPU),
+an NVMe slot file served by a spawned I/O worker (with its durable index, re-indexed into the
+tree at start), the in-process host mover and the layer-wise loader, and the TP agreement over
+SGLang's CPU group. Process-level setup happens here and only here: removing socket directories
+of dead schedulers (and this one's at exit), locking the NVMe directory against a second server,
+spawning the worker.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
+import signal
+import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -39,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 
 def start_worker(dram: DramPool, nvme_dir: Optional[Path], nvme_slots: int, shm_dir: Path, io_backend: str,
-                 keep: bool = False, store_backend: str = "", store_config: str = "") -> IOWorkerClient:
+                 keep: bool = False, store_backend: str = "", store_config: str = "", tp_rank: int = 0) -> IOWorkerClient:
     """Create (``keep``: reuse) the NVMe slot file and spawn this rank's I/O worker over it and
     over the cluster store (``store_backend``), either of which may be absent.
 
@@ -64,6 +68,7 @@ def start_worker(dram: DramPool, nvme_dir: Optional[Path], nvme_slots: int, shm_
         parent_pid=os.getpid(),
         store_backend=store_backend,
         store_config=store_config,
+        tp_rank=tp_rank,
     )
     client = IOWorkerClient(spec)
     client.start()
@@ -79,6 +84,80 @@ def _open_index(nvme_dir: Path, identity: dict, layout: KVLayout, tp_rank: int, 
         logger.warning("hiradix: %s has an NVMe index but no slot file; starting empty", nvme_dir)
         (nvme_dir / INDEX_FILE_NAME).unlink()
     return NvmeIndex.open(nvme_dir, fingerprint, nvme_slots, page_size)
+
+
+def remove_on_exit(path: Path) -> None:
+    """Remove ``path`` (this scheduler's private shared-memory directory) when the process ends.
+
+    A graceful SGLang shutdown (SIGTERM to the launcher) closes the tiers, which removes it;
+    this also covers the other ways a server is stopped: normal interpreter exit (``atexit``),
+    and SIGTERM or SIGINT to the whole process group (Ctrl-C, systemd). The signal handlers
+    remove the directory and then do what was there before (SGLang installs none in the
+    scheduler: SIGTERM then terminates, SIGINT raises ``KeyboardInterrupt``), so SGLang's
+    shutdown is unchanged. SIGKILL cannot be caught: the next server removes what is left
+    (:func:`hiradix.tiers.files.remove_stale_dirs`).
+    """
+    def remove() -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+    atexit.register(remove)
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        previous = signal.getsignal(signum)
+
+        def handler(sig: int, frame: Any, previous: Any = previous) -> None:
+            remove()
+            if callable(previous):
+                previous(sig, frame)
+            elif previous != signal.SIG_IGN:  # SIG_DFL (or unknown): die of the signal, as before
+                signal.signal(sig, signal.SIG_DFL)
+                os.kill(os.getpid(), sig)
+
+        signal.signal(signum, handler)
+
+
+def dram_bytes_of(config: Any, layout: KVLayout, device_pages: int) -> int:
+    """The DRAM tier's bytes: ``--hiradix-dram-gb``, or ``--hiradix-dram-ratio`` x the device pool.
+
+    Args:
+        config: hiradix settings (``dram_bytes`` / ``dram_ratio``).
+        layout: the KV page layout (``page_bytes``: one page, all layers, K and V).
+        device_pages: pages of the device KV pool (SGLang's ``kv_pool.size // page_size``).
+
+    Raises:
+        hiradix.config.HiRadixConfigError: the ratio gives less than one page, or more than the
+            available RAM (known only here, once the device pool is sized).
+    """
+    import psutil
+
+    from hiradix.config import FLAG_OF_FIELD, HiRadixConfigError
+
+    device_bytes = device_pages * layout.page_bytes
+    dram_bytes = config.dram_bytes_for(device_bytes)
+    if config.dram_ratio:
+        flag = f"{FLAG_OF_FIELD['dram_ratio']} {config.dram_ratio:g}"
+        if dram_bytes < layout.page_bytes:
+            raise HiRadixConfigError(f"{flag} x the device pool ({device_bytes} bytes) holds no KV page ({layout.page_bytes} bytes)")
+        available = psutil.virtual_memory().available
+        if dram_bytes > available:
+            raise HiRadixConfigError(
+                f"{flag} x the device pool ({device_bytes / 1e9:.2f} GB) needs {dram_bytes / 1e9:.2f} GB of RAM "
+                f"but only {available / 1e9:.2f} GB is available"
+            )
+        logger.info("hiradix: DRAM tier %s x the device pool (%d bytes) = %d bytes", flag, device_bytes, dram_bytes)
+    return dram_bytes
+def _nvme_tier(config: Any, layout: KVLayout, tp_rank: int, page_size: int, identity: Optional[dict]):
+    """``(dir, slots, lock fd, index, persisted pages)`` of this rank's NVMe tier (0 slots: none)."""
+    if config.nvme_bytes <= 0:
+        return None, 0, -1, None, []
+    nvme_slots = config.nvme_bytes // slot_bytes_for(layout.page_bytes)
+    nvme_dir = Path(config.nvme_path) / f"hiradix-rank{tp_rank}"
+    lock_fd = lock_dir(nvme_dir)  # also makes it private (0700)
+    index, pages = None, []
+    if identity is not None:
+        index, pages = _open_index(nvme_dir, identity, layout, tp_rank, nvme_slots, page_size)
+    return nvme_dir, nvme_slots, lock_fd, index, pages
 
 
 def build_tiers(
@@ -97,7 +176,8 @@ def build_tiers(
 
     Args:
         tree: the tree whose nodes move.
-        config: hiradix settings (``dram_bytes``, ``nvme_path``, ``nvme_bytes``, ``write_policy``).
+        config: hiradix settings (``dram_bytes``/``dram_ratio``, ``dram_mode``, ``nvme_path``,
+            ``nvme_bytes``, ``write_policy``).
         kv_pool: SGLang's device ``MHATokenToKVPool`` of this rank.
         page_size: tokens per page.
         tp_rank: this rank (names the private directories).
@@ -115,35 +195,35 @@ def build_tiers(
         hiradix.io.client.WorkerStartError: the I/O worker did not start.
     """
     layout = KVLayout.from_device_pool(kv_pool, page_size)
+    dram_pages = num_pages_for_bytes(dram_bytes_of(config, layout, kv_pool.size // page_size), layout)
     shm_dir = Path(f"{default_shm_dir()}-rank{tp_rank}")
     remove_stale_dirs(shm_dir)
     ensure_private_dir(shm_dir)  # 0700: it holds the worker's socket directory
-    dram_pages = num_pages_for_bytes(config.dram_bytes, layout)
+    remove_on_exit(shm_dir)
     dram = DramPool.create_anonymous(layout, dram_pages)
-    client, nvme_dir, nvme_slots, lock_fd, index, pages = None, None, 0, -1, None, []
-    if config.nvme_bytes > 0:
-        nvme_slots = config.nvme_bytes // slot_bytes_for(layout.page_bytes)
-        nvme_dir = Path(config.nvme_path) / f"hiradix-rank{tp_rank}"
-        lock_fd = lock_dir(nvme_dir)  # also makes it private (0700)
-        if identity is not None:
-            index, pages = _open_index(nvme_dir, identity, layout, tp_rank, nvme_slots, page_size)
+    device = kv_pool.k_buffer[0].device
+    if device.type == "cuda":
+        dram.pin_for_cuda()  # False (one warning): the pool stays pageable and copies stay correct
+    nvme_dir, nvme_slots, lock_fd, index, pages = _nvme_tier(config, layout, tp_rank, page_size, identity)
     key_prefix = None
     if config.has_store_tier:
         if identity is None:
             raise ValueError("the cluster store needs the model identity for its keys")
         key_prefix = store_key_prefix(identity["model_id"], identity["model_dtype"], layout, tp_rank, identity["tp_size"])
+    client = None
     if nvme_slots > 0 or key_prefix is not None:
         client = start_worker(dram, nvme_dir, nvme_slots, shm_dir, io_backend, keep=index is not None and index.reused,
-                              store_backend=config.store_backend or "", store_config=config.store_config)
+                              store_backend=config.store_backend or "", store_config=config.store_config,
+                              tp_rank=tp_rank)
     books = TierBooks(tree, dram_pages, nvme_slots)
-    loader = LayerwiseLoader(layout.num_layers, kv_pool.k_buffer[0].device, counter_factory)
+    loader = LayerwiseLoader(layout.num_layers, device, counter_factory)
     mover = HostMover(kv_pool, dram, loader)
     multi_rank = tp_group is not None and torch.distributed.get_world_size(tp_group) > 1
     journal = IndexJournal(index, tree) if index is not None else None
     tiers = TierController(tree, books, mover, client, layout.page_bytes, config.write_policy == "write_through",
                            sync=RankSync(tp_group) if multi_rank else None, journal=journal,
                            store_key_prefix=key_prefix, store_write_policy=config.store_write_policy,
-                           store_retry_s=store_retry_s)
+                           store_retry_s=store_retry_s, dram_staging=config.dram_mode == "staging")
     tiers.on_close(dram.close)
     tiers.on_close(lambda: shutil.rmtree(shm_dir, ignore_errors=True))
     if index is not None:

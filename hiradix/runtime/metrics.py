@@ -1,24 +1,16 @@
 """Prometheus metrics of the hiradix tiers (prometheus_client; SGLang's multiprocess registry).
 
-Hits per tier are already exported by SGLang itself from the per-request fields hiradix fills
-(``sglang:cached_tokens_total{cache_source="device"|"host"|"storage"}`` = HBM / DRAM / NVMe;
-``observability/metrics_collector.py``). This module adds what only hiradix knows, read from
-:class:`hiradix.core.stats.TierStats`, the books and the look-ahead view once per scheduler step
-(counters advance by the delta since the last step):
+Hits per tier are exported by SGLang itself from the per-request fields hiradix fills
+(``sglang:cached_tokens_total{cache_source="device"|"host"|"storage"}`` = HBM / DRAM / NVMe,
+``observability/metrics_collector.py``). :data:`SERIES` lists what only hiradix knows, read
+from :class:`hiradix.core.stats.TierStats`, the books, the tree and the look-ahead view once per
+scheduler step (counters advance by the delta since the last step).
 
-* ``hiradix_moved_bytes_total{kind}``            BACKUP, PROMOTE, DEMOTE, PREFETCH bytes that landed
-* ``hiradix_failed_transfers_total{kind}``       transfers with at least one failed page
-* ``hiradix_prefetch_tokens_total{outcome}``     started, completed, failed, used, wasted
-* ``hiradix_read_ahead_tokens_total{outcome}``   reads for predicted returns: started, used, wasted
-* ``hiradix_dropped_tokens_total{tier}``         tokens that left their last tier (lost)
-* ``hiradix_admission_skips_total``              requests skipped while their prefetch ran
-* ``hiradix_tier_tokens{tier}``                  tokens held per tier (gauge)
-* ``hiradix_lookahead_window_requests``, ``hiradix_prefetch_window_requests``,
-  ``hiradix_protected_nodes``                    the last look-ahead view (gauges)
-* ``hiradix_store_pages_total{op}``              cluster store: lookup (asked), found, put, put_failed,
-                                                 get, get_failed pages; used_tokens promoted
-* ``hiradix_store_up``                           1 while the cluster store is in use (gauge)
-* ``hiradix_store_switch_offs_total``            times the store was switched off after failures
+Conventions, as SGLang's own series: the ``sglang:`` namespace, the unit last in the name
+(``_tokens``, ``_bytes``, ``_requests``; counters end in ``_total``), and SGLang's radix-cache
+labels (``cache_type``, ``tp_rank``, ``pp_rank``, ``dp_rank``; ``radix_cache_metric_labels``).
+Every counter and gauge is created with all its label sets at construction, so each series is
+exported (at 0) from the start. Gauges are ``mostrecent`` in the multiprocess registry.
 
 Create the exporter in the scheduler process only (SGLang sets ``PROMETHEUS_MULTIPROC_DIR``
 before spawning it, so the HTTP server's ``/metrics`` aggregates these).
@@ -27,82 +19,150 @@ before spawning it, so the HTTP server's ``/metrics`` aggregates these).
 from __future__ import annotations
 
 import collections
-
+from dataclasses import dataclass
 from typing import Any, Optional
 
-TIERS = ("HBM", "DRAM", "NVMe", "store")
+from hiradix.core.ledger import Kind
+from hiradix.core.stats import PREFETCH_OUTCOMES, READ_AHEAD_OUTCOMES, STORAGE_HIT_READS
+
+TIERS = ("HBM", "DRAM", "NVMe", "store")  # label values of `tier`, fastest first (core Tier order)
+KINDS = tuple(k.name for k in Kind)  # BACKUP, PROMOTE, DEMOTE, PREFETCH, PUT, GET
+STORE_OPS = ("lookup", "found", "put", "put_failed", "get", "get_failed")  # StoreTier.counts, in pages
+_STORE_COUNT = {"lookup": "lookup_pages", "found": "lookup_found_pages", "put": "put_pages",
+                "put_failed": "put_failed_pages", "get": "get_pages", "get_failed": "get_failed_pages"}
+
+
+@dataclass(frozen=True)
+class Series:
+    """One exported series: name, type, its own label (name and values), help text."""
+
+    name: str
+    type: str  # "counter" | "gauge"
+    help: str
+    label: Optional[str] = None
+    values: tuple[str, ...] = ()
+
+
+SERIES: tuple[Series, ...] = (
+    Series("sglang:hiradix_tier_capacity_tokens", "gauge", "Tokens each tier can hold (HBM: the device pool)", "tier", TIERS),
+    Series("sglang:hiradix_tier_used_tokens", "gauge", "Tokens of cached KV the tree holds in each tier", "tier", TIERS),
+    Series("sglang:hiradix_tier_capacity_bytes", "gauge", "Bytes of KV each tier can hold", "tier", TIERS),
+    Series("sglang:hiradix_tier_used_bytes", "gauge", "Bytes of cached KV the tree holds in each tier", "tier", TIERS),
+    Series("sglang:hiradix_moved_tokens_total", "counter", "Tokens moved between tiers, by transfer kind", "kind", KINDS),
+    Series("sglang:hiradix_moved_bytes_total", "counter", "Bytes moved between tiers, by transfer kind", "kind", KINDS),
+    Series("sglang:hiradix_failed_transfers_total", "counter", "Transfers with at least one failed page", "kind", KINDS),
+    Series("sglang:hiradix_transfers_in_flight", "gauge", "Transfers in flight, by kind", "kind", KINDS),
+    Series("sglang:hiradix_prefetch_tokens_total", "counter", "NVMe -> DRAM reads by outcome", "outcome", PREFETCH_OUTCOMES),
+    Series("sglang:hiradix_storage_hit_tokens_total", "counter",
+           "NVMe hits (SGLang's storage tokens) by who started the read", "read", STORAGE_HIT_READS),
+    Series("sglang:hiradix_read_ahead_tokens_total", "counter",
+           "Reads for predicted returns (predictive policy) by outcome", "outcome", READ_AHEAD_OUTCOMES),
+    Series("sglang:hiradix_dropped_tokens_total", "counter", "Tokens that left their last tier (lost)", "tier", TIERS),
+    Series("sglang:hiradix_admission_skips_total", "counter", "Admissions skipped while the request's NVMe reads ran"),
+    Series("sglang:hiradix_lookahead_window_requests", "gauge", "Waiting requests the look-ahead window inspected"),
+    Series("sglang:hiradix_prefetch_window_requests", "gauge", "Requests whose NVMe pages may be read ahead (L_pw)"),
+    Series("sglang:hiradix_protected_nodes", "gauge", "Tree nodes queued requests need (demoted last)"),
+    Series("sglang:hiradix_nvme_enabled", "gauge", "1 while the NVMe tier takes copies, 0 when absent or switched off"),
+    Series("sglang:hiradix_nvme_restored_pages", "gauge", "NVMe pages re-indexed from the durable index at start"),
+    Series("sglang:hiradix_store_pages_total", "counter", "Cluster-store pages by operation", "op", STORE_OPS),
+    Series("sglang:hiradix_store_used_tokens_total", "counter", "Tokens read from the cluster store and promoted to HBM"),
+    Series("sglang:hiradix_store_switch_offs_total", "counter", "Times the cluster store was switched off after failures"),
+    Series("sglang:hiradix_store_enabled", "gauge", "1 while the cluster store is in use, 0 when absent or switched off"),
+)  # fmt: skip
+SERIES_BY_NAME = {s.name: s for s in SERIES}
 
 
 class TierMetrics:
-    """Exports hiradix counters and gauges; call :meth:`update` once per scheduler step.
+    """Exports the hiradix series of one scheduler process; call :meth:`update` once per step.
 
     Args:
-        labels: constant labels (e.g. ``{"tp_rank": "0"}``).
+        labels: SGLang's radix-cache labels of this rank (values are made strings).
+        page_size: tokens per page.
+        page_bytes: bytes per page (all layers, K and V).
+        capacity_pages: pages per tier, in :data:`TIERS` order (HBM: the device pool's pages;
+            0 for a tier that is absent, and for the cluster store, whose size is the store's).
+        registry: the prometheus_client registry (default: the process's, which SGLang's
+            multiprocess collector reads); tests pass their own.
     """
 
-    def __init__(self, labels: dict[str, str]):
-        from prometheus_client import Counter, Gauge
+    def __init__(self, labels: dict[str, Any], page_size: int, page_bytes: int, capacity_pages: tuple[int, ...],
+                 registry: Any = None):
+        from prometheus_client import REGISTRY, Counter, Gauge
 
-        names = list(labels)
-        self.labels = labels
+        registry = REGISTRY if registry is None else registry
+
+        self.labels = {k: str(v) for k, v in labels.items()}
+        self.page_size = page_size
+        self.page_bytes = page_bytes
         self._seen: dict[tuple, float] = {}
-        self.moved = Counter("hiradix_moved_bytes_total", "Bytes moved between tiers", names + ["kind"])
-        self.failed = Counter("hiradix_failed_transfers_total", "Transfers with a failed page", names + ["kind"])
-        self.prefetch = Counter("hiradix_prefetch_tokens_total", "NVMe->DRAM prefetch tokens by outcome", names + ["outcome"])
-        self.read_ahead = Counter("hiradix_read_ahead_tokens_total", "Reads for predicted returns by outcome",
-                                  names + ["outcome"])
-        self.dropped = Counter("hiradix_dropped_tokens_total", "Tokens that left their last tier", names + ["tier"])
-        self.skips = Counter("hiradix_admission_skips_total", "Admissions skipped for a pending prefetch", names)
-        gauge = dict(multiprocess_mode="mostrecent")
-        self.tier_tokens = Gauge("hiradix_tier_tokens", "Tokens held per tier", names + ["tier"], **gauge)
-        self.window = Gauge("hiradix_lookahead_window_requests", "Requests in the look-ahead window", names, **gauge)
-        self.prefetch_window = Gauge("hiradix_prefetch_window_requests", "Prefetch window L_pw", names, **gauge)
-        self.protected = Gauge("hiradix_protected_nodes", "Nodes needed by queued requests", names, **gauge)
-        self.in_flight = Gauge("hiradix_transfers_in_flight", "Transfers in flight by kind", names + ["kind"], **gauge)
-        self.restored = Gauge("hiradix_nvme_restored_pages", "NVMe pages re-indexed at start", names, **gauge)
-        self.store_pages = Counter("hiradix_store_pages_total", "Cluster-store pages by operation", names + ["op"])
-        self.store_up = Gauge("hiradix_store_up", "1 while the cluster store is in use", names, **gauge)
-        self.store_offs = Counter("hiradix_store_switch_offs_total", "Cluster-store switch-offs after failures", names)
+        self.metric: dict[str, Any] = {}
+        names = list(self.labels)
+        for s in SERIES:
+            label_names = names + ([s.label] if s.label else [])
+            if s.type == "counter":
+                # prometheus_client appends `_total` to a counter's name itself.
+                m = Counter(s.name.removesuffix("_total"), s.help, label_names, registry=registry)
+            else:
+                m = Gauge(s.name, s.help, label_names, multiprocess_mode="mostrecent", registry=registry)
+            for value in s.values or (None,):
+                m.labels(**self._labels(s, value))  # the label set exists (at 0) from the start
+            self.metric[s.name] = m
+        for tier, pages in zip(TIERS, capacity_pages):
+            self._set("sglang:hiradix_tier_capacity_tokens", pages * page_size, tier)
+            self._set("sglang:hiradix_tier_capacity_bytes", pages * page_bytes, tier)
 
-    def _advance(self, counter: Any, key: tuple, total: float, **extra: str) -> None:
+    def _labels(self, series: Series, value: Optional[str]) -> dict[str, str]:
+        return self.labels if value is None else {**self.labels, series.label: value}
+
+    def _set(self, name: str, value: float, label_value: Optional[str] = None) -> None:
+        series = SERIES_BY_NAME[name]
+        self.metric[name].labels(**self._labels(series, label_value)).set(value)
+
+    def _advance(self, name: str, total: float, label_value: Optional[str] = None) -> None:
+        key = (name, label_value)
         delta = total - self._seen.get(key, 0)
         if delta > 0:
-            counter.labels(**self.labels, **extra).inc(delta)
+            self.metric[name].labels(**self._labels(SERIES_BY_NAME[name], label_value)).inc(delta)
         self._seen[key] = total
 
     def update(self, stats: Any, books: Any, tier_tokens: list[int], view: Optional[Any], store: Optional[Any] = None) -> None:
-        """Advance counters to the cumulative values in ``stats``/``books``/``store``; set gauges."""
-        if store is not None:
-            self._update_store(store, stats)
-        for kind, value in stats.bytes_moved.items():
-            self._advance(self.moved, ("moved", kind), value, kind=kind)
-        for kind, value in stats.transfers_failed.items():
-            self._advance(self.failed, ("failed", kind), value, kind=kind)
-        prefetch = dict(stats.prefetch_tokens, wasted=books.wasted_prefetch_tokens)
-        for outcome, value in prefetch.items():
-            self._advance(self.prefetch, ("prefetch", outcome), value, outcome=outcome)
-        for outcome, value in stats.read_ahead_tokens.items():
-            self._advance(self.read_ahead, ("read_ahead", outcome), value, outcome=outcome)
-        for tier, value in zip(TIERS, books.dropped_tokens):
-            self._advance(self.dropped, ("dropped", tier), value, tier=tier)
-        self._advance(self.skips, ("skips",), stats.admission_skips)
-        for tier, value in zip(TIERS, tier_tokens):
-            self.tier_tokens.labels(**self.labels, tier=tier).set(value)
-        in_flight = collections.Counter(op.kind.name for op in books.ops.values())
-        for kind in stats.bytes_moved:
-            self.in_flight.labels(**self.labels, kind=kind).set(in_flight.get(kind, 0))
-        self.restored.labels(**self.labels).set(stats.restored_pages)
-        if view is not None:
-            self.window.labels(**self.labels).set(view.window)
-            self.prefetch_window.labels(**self.labels).set(view.prefetch_window)
-            self.protected.labels(**self.labels).set(view.protected_nodes)
+        """Advance counters to the cumulative values in ``stats``/``books``/``store``; set gauges.
 
-    def _update_store(self, store: Any, stats: Any) -> None:
-        counts = store.counts
-        ops = {"lookup": counts["lookup_pages"], "found": counts["lookup_found_pages"], "put": counts["put_pages"],
-               "put_failed": counts["put_failed_pages"], "get": counts["get_pages"], "get_failed": counts["get_failed_pages"],
-               "used_tokens": stats.store_tokens["used"]}
-        for op, value in ops.items():
-            self._advance(self.store_pages, ("store", op), value, op=op)
-        self._advance(self.store_offs, ("store_offs",), counts["switch_offs"])
-        self.store_up.labels(**self.labels).set(1 if store.enabled else 0)
+        Args:
+            store: the cluster-store tier (``hiradix.core.store_tier.StoreTier``), or None.
+        """
+        self._update_store(store, stats)
+        for kind, value in stats.bytes_moved.items():
+            self._advance("sglang:hiradix_moved_bytes_total", value, kind)
+            self._advance("sglang:hiradix_moved_tokens_total", value // self.page_bytes * self.page_size, kind)
+        for kind, value in stats.transfers_failed.items():
+            self._advance("sglang:hiradix_failed_transfers_total", value, kind)
+        for outcome, value in dict(stats.prefetch_tokens, wasted=books.wasted_prefetch_tokens).items():
+            self._advance("sglang:hiradix_prefetch_tokens_total", value, outcome)
+        for read, value in stats.storage_hit_tokens.items():
+            self._advance("sglang:hiradix_storage_hit_tokens_total", value, read)
+        for outcome, value in stats.read_ahead_tokens.items():
+            self._advance("sglang:hiradix_read_ahead_tokens_total", value, outcome)
+        for tier, value in zip(TIERS, books.dropped_tokens):
+            self._advance("sglang:hiradix_dropped_tokens_total", value, tier)
+        self._advance("sglang:hiradix_admission_skips_total", stats.admission_skips)
+        for tier, tokens in zip(TIERS, tier_tokens):
+            self._set("sglang:hiradix_tier_used_tokens", tokens, tier)
+            self._set("sglang:hiradix_tier_used_bytes", tokens // self.page_size * self.page_bytes, tier)
+        in_flight = collections.Counter(op.kind.name for op in books.ops.values())
+        for kind in KINDS:
+            self._set("sglang:hiradix_transfers_in_flight", in_flight.get(kind, 0), kind)
+        self._set("sglang:hiradix_nvme_enabled", int(bool(books.nvme_enabled)))
+        self._set("sglang:hiradix_nvme_restored_pages", stats.restored_pages)
+        if view is not None:
+            self._set("sglang:hiradix_lookahead_window_requests", view.window)
+            self._set("sglang:hiradix_prefetch_window_requests", view.prefetch_window)
+            self._set("sglang:hiradix_protected_nodes", view.protected_nodes)
+
+    def _update_store(self, store: Optional[Any], stats: Any) -> None:
+        if store is not None:
+            for op in STORE_OPS:
+                self._advance("sglang:hiradix_store_pages_total", store.counts[_STORE_COUNT[op]], op)
+            self._advance("sglang:hiradix_store_switch_offs_total", store.counts["switch_offs"])
+        self._advance("sglang:hiradix_store_used_tokens_total", stats.store_tokens["used"])
+        self._set("sglang:hiradix_store_enabled", int(store is not None and store.enabled))

@@ -1,6 +1,6 @@
 """SGLang's prefix-cache contract over the core's tiered prefix cache: a translation, no logic.
 
-:class:`HiRadixCache` implements ``BasePrefixCache`` of SGLang 0.5.23
+:class:`TieredRadixCache` implements ``BasePrefixCache`` of SGLang 0.5.23
 (``sglang/srt/mem_cache/base_prefix_cache.py``; the legacy ``radix_cache.py`` shows the
 contract) by translating SGLang's objects (``RadixKey``, ``Req``, ``MatchResult``, lock
 receipts, the device allocator) into calls on :class:`hiradix.core.prefix_cache.TieredPrefixCache`,
@@ -31,7 +31,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from hiradix.core.lookahead import QueueView
+from hiradix.core.lookahead import QueuedKey, QueueView
 from hiradix.core.policy import make_policy
 from hiradix.core.prefix_cache import TieredPrefixCache
 from hiradix.core.store_tier import STORE_RETRY_S
@@ -90,7 +90,7 @@ class SGLangDevicePool:
         return torch.cat(list(parts)) if parts else self._empty
 
 
-class HiRadixCache(BasePrefixCache):
+class TieredRadixCache(BasePrefixCache):
     """Prefix cache whose radix-tree nodes record their tier (HBM, DRAM, NVMe).
 
     Args:
@@ -136,11 +136,24 @@ class HiRadixCache(BasePrefixCache):
         if params.enable_metrics:
             self.init_metrics_collector()
             if self.tiers is not None:
-                from hiradix.runtime.metrics import TierMetrics
-
-                self.tier_metrics = TierMetrics({"tp_rank": str(tp_rank)})
-        logger.info("hiradix: HiRadixCache in use (page_size=%d tokens, policy=%s, write_policy=%s)",
+                self.tier_metrics = self._tier_metrics()
+        logger.info("hiradix: TieredRadixCache in use (page_size=%d tokens, policy=%s, write_policy=%s)",
                     self.page_size, config.policy, config.write_policy)
+
+    def _tier_metrics(self) -> Any:
+        """hiradix's series (``hiradix.runtime.metrics``) with SGLang's radix-cache labels."""
+        from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+        from sglang.srt.observability.metrics_collector import radix_cache_metric_labels
+        from sglang.srt.runtime_context import get_observability, get_parallel
+
+        from hiradix.runtime.metrics import TierMetrics
+
+        labels = radix_cache_metric_labels(type(self).__name__, get_parallel(), is_dp_attention_enabled())
+        labels.update(get_observability().extra_metric_labels or {})
+        books = self.tiers.books
+        pages = (self.token_to_kv_pool_allocator.size // self.page_size, books.dram.capacity,
+                 books.nvme.capacity if books.nvme is not None else 0, 0)  # the store's size is not ours
+        return TierMetrics(labels, self.page_size, self.tiers.page_bytes, pages)
 
     @property
     def last_view(self) -> Optional[QueueView]:
@@ -203,9 +216,10 @@ class HiRadixCache(BasePrefixCache):
         req = params.req
         back = self.core.load_back(req.last_node, params.best_match_node, params.host_hit_length)
         if back.loaded:
-            # SGLang's "storage" hits: tokens read from the cluster store (whoever started the
-            # read), and tokens read from NVMe while the request waited (read ahead: "host").
-            storage = {"nvme": back.waited_from[Tier.NVME], self.config.store_backend: back.read_from[Tier.STORE]}
+            # SGLang splits the host hit into host + storage by these (split_cached_prefix_by_tier):
+            # storage = tokens whose DRAM copy was read up from NVMe or the cluster store for this
+            # request, whether the look-ahead window read them early or the request waited.
+            storage = {"nvme": back.read_from[Tier.NVME], self.config.store_backend: back.read_from[Tier.STORE]}
             req.storage_hit_length = sum(storage.values())
             req.storage_hit_start = None
             req.hiradix_storage_backend = ",".join(f"{name}={n}" for name, n in storage.items() if n) or None
@@ -223,11 +237,24 @@ class HiRadixCache(BasePrefixCache):
                                      store=self.tiers.store)
 
     def observe_queue(self, waiting_queue: list) -> Optional[QueueView]:
-        """Look-ahead over the first W waiting requests (policies that use the queue)."""
+        """Look-ahead over the first W waiting requests (policies that use the queue).
+
+        Each request's key is built once and kept on the request (``hiradix_queued_key``, rebuilt
+        only when its length changes, e.g. after a retraction), with its last peek: a step costs
+        O(nodes on the queued paths), not O(queued tokens).
+        """
         if not self.tree.policy.uses_queue:
             return None
         window = waiting_queue[: self.config.lookahead_window]
-        return self.core.observe_queue([request_key(req, self.page_size) for req in window])
+        return self.core.observe_queue([self._queued_key(req) for req in window])
+
+    def _queued_key(self, req: Req) -> QueuedKey:
+        length = len(req.origin_input_ids) + len(req.output_ids)
+        cached = getattr(req, "hiradix_queued_key", None)
+        if cached is None or cached[0] != length:
+            cached = (length, QueuedKey(*request_key(req, self.page_size)))
+            req.hiradix_queued_key = cached
+        return cached[1]
 
     def touch_prefix(self, key: RadixKey) -> None:
         key = key.page_aligned(self.page_size)
@@ -310,7 +337,7 @@ class HiRadixCache(BasePrefixCache):
         self.core.check_integrity()
 
 
-def create_hiradix_cache(ctx: TreeCacheBuildContext) -> HiRadixCache:
+def create_hiradix_cache(ctx: TreeCacheBuildContext) -> TieredRadixCache:
     """Factory registered with SGLang's radix-cache backend registry under ``hiradix``.
 
     Raises:
@@ -329,7 +356,7 @@ def create_hiradix_cache(ctx: TreeCacheBuildContext) -> HiRadixCache:
         args = ctx.server_args
         identity = {"model_id": model_identity(args.model_path, getattr(args, "revision", None)),
                     "model_dtype": str(ctx.model_config.dtype), "tp_size": ctx.tp_size}
-    cache = HiRadixCache(ctx.params, config, kv_pool=kv_pool, tp_rank=ctx.tp_rank, identity=identity,
+    cache = TieredRadixCache(ctx.params, config, kv_pool=kv_pool, tp_rank=ctx.tp_rank, identity=identity,
                          counter_factory=LayerDoneCounter)
     if cache.loader is not None:
         kv_pool.register_layer_transfer_counter(cache.loader)

@@ -3,10 +3,11 @@
 `after_add_cli_args` adds `--enable-hiradix` and the value flags of `hiradix.config.FLAGS` to
 SGLang's parser. Only when `--enable-hiradix` is given, `after_from_cli_args` validates them
 into a `HiRadixConfig`, refuses configurations hiradix cannot serve
-(`hiradix.sglang_plugin.refusals`), selects `--radix-cache-backend hiradix`, defaults
-`--page-size` to 16, stashes the config as `server_args._hiradix_config` (bookkeeping
-attributes ride the pickled record to the spawned schedulers) and exports it as
-`HIRADIX_CONFIG` (JSON fallback); `after_resolve_once` re-checks what SGLang's own resolution
+(`hiradix.sglang_plugin.refusals`; also any `--hicache-*` flag, naming hiradix's equivalent),
+selects `--radix-cache-backend hiradix`, defaults `--page-size` to 16, turns on
+`--enable-cache-report` and `--enable-metrics` (hiradix's hit details and metrics need them),
+stashes the config as `server_args._hiradix_config` (bookkeeping attributes ride the pickled
+record to the spawned schedulers) and exports it as `HIRADIX_CONFIG` (JSON fallback); `after_resolve_once` re-checks what SGLang's own resolution
 decided. Without `--enable-hiradix` they change nothing, except refusing a `--hiradix-*` flag
 given on its own.
 """
@@ -25,6 +26,7 @@ from hiradix.sglang_plugin.model_check import read_hf_config, unsupported_model_
 from hiradix.sglang_plugin.refusals import (
     BACKEND_NAME,
     first_conflict,
+    given_hicache_flag,
     refuse,
     refuse_tiers_below_one_page,
     refuse_unreachable_store,
@@ -34,6 +36,12 @@ logger = logging.getLogger(__name__)
 
 CONFIG_ATTR = "_hiradix_config"  # bookkeeping attribute on ServerArgs
 _CHECKED_ATTR = "_hiradix_resolution_checked"  # set once the resolved record passed
+_TURNED_ON_ATTR = "_hiradix_turned_on"  # SGLang flags --enable-hiradix turned on (for the log)
+# SGLang features hiradix reports through, turned on with --enable-hiradix: ServerArgs field, flag.
+REQUIRED_SGLANG_FLAGS: tuple[tuple[str, str], ...] = (
+    ("enable_cache_report", "--enable-cache-report"),  # usage.prompt_tokens_details.cached_tokens
+    ("enable_metrics", "--enable-metrics"),  # /metrics: SGLang's cache series and hiradix's own
+)
 ADD_CLI_ARGS_TARGET = "sglang.srt.server_args.ServerArgs.add_cli_args"
 DEFAULT_PAGE_SIZE_TOKENS = 16  # hiradix moves KV in pages; SGLang's default is 1
 
@@ -121,6 +129,11 @@ def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -
     if conflict is not None:
         rule, value = conflict
         refuse(f"--enable-hiradix cannot be combined with {rule.flag(value)} ({rule.why})")
+    hicache = given_hicache_flag(result)
+    if hicache is not None:
+        flag, value, equivalent = hicache
+        refuse(f"{flag} {value} configures SGLang's HiCache, which --enable-hiradix replaces (it would be "
+               f"ignored); hiradix's equivalent: {equivalent}")
     try:
         config = HiRadixConfig.from_flags(**{spec.name: getattr(namespace, spec.dest, None) for spec in FLAGS})
     except HiRadixConfigError as e:
@@ -152,6 +165,11 @@ def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -
     result.radix_cache_backend = BACKEND_NAME
     if result.page_size is None:
         result.page_size = DEFAULT_PAGE_SIZE_TOKENS
+    # What hiradix's own features report through: per-request hit details and /metrics.
+    turned_on = [flag for field, flag in REQUIRED_SGLANG_FLAGS if not getattr(result, field)]
+    for field, _ in REQUIRED_SGLANG_FLAGS:
+        setattr(result, field, True)
+    setattr(result, _TURNED_ON_ATTR, tuple(turned_on))
     os.environ[ENV_VAR] = config.to_json()
     return None
 
@@ -196,5 +214,7 @@ def after_resolve_once(result: None, server_args: Any) -> None:
                 "plain MHA/GQA full-attention decoder models only"
             )
     setattr(server_args, _CHECKED_ATTR, True)
-    logger.info("hiradix: enabled (%s, page_size=%s)", config.summary(), view.page_size)
+    turned_on = getattr(server_args, _TURNED_ON_ATTR, ())
+    logger.info("hiradix: enabled (%s, page_size=%s)%s", config.summary(), view.page_size,
+                f"; turned on {' '.join(turned_on)} (per-tier hit details and /metrics)" if turned_on else "")
     return None

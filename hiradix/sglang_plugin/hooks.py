@@ -135,6 +135,14 @@ HOOKS: tuple[HookSpec, ...] = (
         scope=Scope.SCHEDULER,
         purpose="skip, without blocking the queue, a request whose NVMe reads are in flight",
     ),
+    HookSpec(
+        target="sglang.srt.managers.tp_worker.TpModelWorker.get_worker_info",
+        hook="hiradix.sglang_plugin.admission:after_get_worker_info",
+        hook_type="after",
+        scope=Scope.SCHEDULER,
+        purpose="lower max_req_input_len to the longest prompt the paged pool can admit "
+        "(longer ones get SGLang's HTTP 400 instead of waiting forever)",
+    ),
 )
 
 

@@ -91,6 +91,44 @@ def first_conflict(config_view: Any) -> tuple[_Conflict, Any] | None:
 
 
 
+# SGLang HiCache's flags (ServerArgs fields) and what hiradix offers instead. With --enable-hiradix
+# they would configure a cache that does not run, so a given one (not at its default) is refused.
+HICACHE_EQUIVALENTS: dict[str, str] = {
+    "hicache_ratio": "--hiradix-dram-ratio (x the device pool)",
+    "hicache_size": "--hiradix-dram-gb (GB per TP rank)",
+    "hicache_host_memory_mode": "--hiradix-dram-mode (cache | staging)",
+    "hicache_host_memory_fraction": "--hiradix-dram-gb or --hiradix-dram-ratio (checked against free RAM at start)",
+    "hicache_write_policy": "--hiradix-write-policy (write_through | write_back)",
+    "hicache_io_backend": "nothing: hiradix copies HBM <-> DRAM itself, layer by layer",
+    "hicache_mem_layout": "nothing: hiradix keeps DRAM and NVMe pages in its own paged layout",
+    "hicache_storage_backend": "--hiradix-nvme-path and --hiradix-nvme-gb (an NVMe tier of the tree), "
+                               "or --hiradix-store (a cluster store shared by the servers)",
+    "hicache_storage_backend_extra_config": "--hiradix-store-config (with --hiradix-store)",
+    "hicache_storage_prefetch_policy": "--hiradix-load-timeout-s (how long admission waits for NVMe or store reads)",
+    "hicache_storage_prefetch_retry_poll_interval": "--hiradix-load-timeout-s",
+    "hicache_storage_prefetch_retry_max_attempts": "--hiradix-load-timeout-s",
+}
+
+
+def _field_defaults(server_args: Any) -> dict[str, Any]:
+    import msgspec  # noqa: PLC0415 - SGLang's ServerArgs is a msgspec Struct
+
+    try:
+        return {f.name: f.default for f in msgspec.structs.fields(type(server_args))}
+    except TypeError:  # not a Struct (a stand-in in tests): compare with nothing
+        return {}
+
+
+def given_hicache_flag(server_args: Any) -> tuple[str, Any, str] | None:
+    """The first HiCache flag given with a non-default value: ``(flag, value, equivalent)``, or None."""
+    defaults = _field_defaults(server_args)
+    for field, equivalent in HICACHE_EQUIVALENTS.items():
+        if field not in defaults:
+            continue
+        value = getattr(server_args, field, defaults[field])
+        if value != defaults[field]:
+            return "--" + field.replace("_", "-"), value, equivalent
+    return None
 STORE_PROBE_TIMEOUT_S = 10.0  # the launcher waits at most this long to reach the cluster store
 
 
@@ -111,7 +149,7 @@ def refuse_tiers_below_one_page(config: HiRadixConfig, hf_config: dict, server_a
                                      str(getattr(server_args, "dtype", "auto")), getattr(server_args, "kv_cache_dtype", None))
     if page_bytes is None:
         return
-    if config.dram_bytes < page_bytes:
+    if config.dram_ratio == 0 and config.dram_bytes < page_bytes:  # a ratio is checked in the scheduler
         refuse(f"{FLAG_OF_FIELD['dram_bytes']} {config.dram_bytes / 1e9:g} ({config.dram_bytes} bytes) holds no KV page "
                f"of this model ({page_bytes} bytes per page of {page_size} tokens)")
     if 0 < config.nvme_bytes < slot_bytes_for(page_bytes):

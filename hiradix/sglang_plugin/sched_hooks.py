@@ -3,7 +3,7 @@
 SGLang 0.5.23 gates its per-step cache events and its host-load start on
 ``--enable-hierarchical-cache`` (``managers/scheduler.py``: ``_process_hicache_events`` and
 ``_get_new_batch_prefill_raw``), which hiradix refuses; these hooks call the same cache methods
-for a :class:`hiradix.sglang_plugin.cache.HiRadixCache`, and let admission skip a request whose NVMe reads are
+for a :class:`hiradix.sglang_plugin.cache.TieredRadixCache`, and let admission skip a request whose NVMe reads are
 still in flight without blocking the requests behind it (``schedule_policy.PrefillAdder``).
 Each hook is a no-op for any other tree cache.
 """
@@ -14,9 +14,9 @@ from typing import Any
 
 
 def _hiradix_cache(tree_cache: Any):
-    from hiradix.sglang_plugin.cache import HiRadixCache
+    from hiradix.sglang_plugin.cache import TieredRadixCache
 
-    return tree_cache if isinstance(tree_cache, HiRadixCache) else None
+    return tree_cache if isinstance(tree_cache, TieredRadixCache) else None
 
 
 def after_process_hicache_events(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:

@@ -46,7 +46,7 @@ import psutil
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PORT_RANGE: tuple[int, int] = (33000, 33099)  # inclusive
+DEFAULT_PORT_RANGE: tuple[int, int] = (20000, 29999)  # inclusive; wide, so that servers of concurrent test runs rarely collide
 _PORTS_HANDED_OUT: set[int] = set()  # ports picked by this process (not yet bound by SGLang)
 
 
@@ -81,15 +81,25 @@ def cpu_args(max_total_tokens: int) -> list[str]:
     ]  # fmt: skip
 
 
-def cpu_env() -> dict[str, str]:
+def cpu_env(tp_size: int = 1) -> dict[str, str]:
     """Environment variables SGLang 0.5.23 needs on a CPU-only machine.
 
     `SGLANG_USE_CPU_ENGINE=1`: without it the rotary embedding tries to import vLLM's ops.
+    With `--tp-size N` > 1, `SGLANG_CPU_OMP_THREADS_BIND` gives each rank its CPUs ("0|1" for
+    two ranks on cores 0 and 1; the cores are shared round-robin when there are fewer):
+    without it stock SGLang fails in `init_threads_binding`.
+
+    Args:
+        tp_size: the server's `--tp-size`.
 
     Returns:
         Variables to merge into the server's environment (`ServerProcess(env=...)`).
     """
-    return {"SGLANG_USE_CPU_ENGINE": "1"}
+    env = {"SGLANG_USE_CPU_ENGINE": "1"}
+    if tp_size > 1:
+        cores = max(1, os.cpu_count() or 1)
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % cores) for rank in range(tp_size))
+    return env
 
 
 def _port_range_from_env() -> tuple[int, int]:
@@ -276,7 +286,7 @@ class ServerProcess:
                     f"sglang exited with code {code} before becoming healthy; log {self.log_path}:\n"
                     + self.log_tail()
                 )
-            if self.is_healthy():
+            if self.is_healthy() and self._listens_on_port():
                 self.startup_s = time.monotonic() - self._spawn_t
                 logger.info("sglang on %s healthy after %.1f s", self.base_url, self.startup_s)
                 return
@@ -286,6 +296,18 @@ class ServerProcess:
                     f"log {self.log_path}:\n" + self.log_tail()
                 )
             time.sleep(poll_s)
+
+    def _listens_on_port(self) -> bool:
+        """Whether the answer came from this server: one of its processes listens on the port
+        (another process that took the port before SGLang bound it may answer /health too)."""
+        for proc in [psutil.Process(self._proc.pid), *self.descendants()]:
+            try:
+                if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == self.port
+                       for c in proc.net_connections(kind="tcp")):
+                    return True
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return False
 
     def is_healthy(self, timeout_s: float = 5.0) -> bool:
         """True if `GET /health` answers 200 now."""
@@ -352,6 +374,20 @@ class ServerProcess:
             self._log_file.close()
             self._log_file = None
         return code
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the server's whole process group (as Ctrl-C in a terminal does)."""
+        if self._proc is not None:
+            _signal_group(self._proc.pid, sig)
+
+    def wait_exit(self, timeout_s: float) -> int | None:
+        """Wait up to ``timeout_s`` for the launcher to exit; its exit code, or None if it runs on."""
+        if self._proc is None:
+            return None
+        try:
+            return self._proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
 
     def log_text(self) -> str:
         """The whole server log so far (decoded as UTF-8, undecodable bytes replaced)."""

@@ -339,6 +339,8 @@ def simulated_controller(
     store_read_s_per_page: float = 0.0,
     store_write_s_per_page: float = 0.0,
     store_query_s: float = 0.0,
+    write_selective: bool = False,
+    dram_staging: bool = False,
 ) -> TierController:
     """A real :class:`TierController` over data-less ports, sized like ``runtime.assembly.build_tiers``.
 
@@ -356,6 +358,8 @@ def simulated_controller(
             KV use the same prefix).
         store_write_policy, store_read_s_per_page, store_write_s_per_page, store_query_s: the
             store tier's write policy and simulated timings.
+        write_selective: back up only nodes hit again (``TierController(write_selective=)``).
+        dram_staging: DRAM only carries pages in flight (``--hiradix-dram-mode staging``).
     """
     books = TierBooks(tree, dram_pages, nvme_slots)
     client = None
@@ -364,7 +368,8 @@ def simulated_controller(
                              store_write_s_per_page, store_query_s)
     return TierController(tree, books, SimHostMover(), client, page_bytes, write_through, clock=clock,
                           store_key_prefix=store_key_prefix if store is not None else None,
-                          store_write_policy=store_write_policy)
+                          store_write_policy=store_write_policy,
+                          write_selective=write_selective, dram_staging=dram_staging)
 
 
 def next_event_s(tiers: Optional[TierController]) -> Optional[float]:

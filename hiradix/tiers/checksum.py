@@ -2,7 +2,9 @@
 
 ``| payload (page_bytes) | trailer (TRAILER.size bytes) |``: a magic, the format version, the
 payload length, the slot id and ``xxhash.xxh3_64`` of the payload, little-endian. A slot whose
-trailer does not check out is a miss, never KV (:mod:`hiradix.tiers.nvme`).
+trailer does not check out is a miss, never KV (:mod:`hiradix.tiers.nvme`). A cluster-store
+object is the same payload + trailer, with a hash of its key as the slot id
+(:mod:`hiradix.tiers.store.framing`).
 """
 
 from __future__ import annotations
@@ -35,15 +37,31 @@ def verify_slot(slot: np.ndarray, page_bytes: int, slot_id: int) -> str | None:
     Returns:
         ``None`` if it verifies, else the reason (for the log).
     """
-    magic, version, _, payload_bytes, stored_slot, digest = TRAILER.unpack_from(slot, page_bytes)
+    return verify_trailer(slot[:page_bytes], slot[page_bytes : page_bytes + TRAILER.size], slot_id)
+
+
+def verify_trailer(payload: np.ndarray, trailer: np.ndarray, slot_id: int) -> str | None:
+    """Check a payload against its trailer when the two are separate buffers (a store object).
+
+    Args:
+        payload: uint8 ``(page_bytes,)``, the payload as read.
+        trailer: uint8 ``(TRAILER.size,)``, the trailer as read.
+        slot_id: the id the trailer must name (an NVMe slot, or a store key's hash).
+
+    Returns:
+        ``None`` if it verifies, else the reason (for the log).
+    """
+    if trailer.nbytes != TRAILER.size:
+        return f"trailer length {trailer.nbytes} != {TRAILER.size}"
+    magic, version, _, payload_bytes, stored_slot, digest = TRAILER.unpack_from(trailer, 0)
     if magic != TRAILER_MAGIC:
         return "bad magic (never written, or overwritten)"
     if version != FORMAT_VERSION:
         return f"format version {version} != {FORMAT_VERSION}"
-    if payload_bytes != page_bytes:
-        return f"payload length {payload_bytes} != {page_bytes}"
+    if payload_bytes != payload.nbytes:
+        return f"payload length {payload_bytes} != {payload.nbytes}"
     if stored_slot != slot_id:
         return f"trailer names slot {stored_slot}"
-    if xxhash.xxh3_64_intdigest(slot[:page_bytes]) != digest:
+    if xxhash.xxh3_64_intdigest(payload) != digest:
         return "checksum mismatch"
     return None

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from hiradix.dataplane.layout import KVLayout
-from hiradix.tiers.files import default_shm_dir, ensure_private_dir  # noqa: F401 - re-exported
+from hiradix.tiers.files import ensure_private_dir
+from hiradix.tiers.pinned import cuda_host_register, cuda_host_unregister
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class DramPool:
         num_pages: capacity in pages.
         tensor: ``layout.dram_shape(num_pages)`` of ``layout.dtype``, a view of the mapping
             (writes are seen by every process that maps the file).
+        cuda_pinned: whether :meth:`pin_for_cuda` registered the mapping with CUDA.
+        pin_failure: why :meth:`pin_for_cuda` failed, or None.
     """
 
     def __init__(self, path: Path, layout: KVLayout, num_pages: int, mapping: mmap.mmap, created_dir: bool):
@@ -72,11 +75,51 @@ class DramPool:
         self._created_dir = created_dir
         self._memfd = -1  # the anonymous pool's file descriptor (create_anonymous), kept open
         self.tensor = torch.frombuffer(mapping, dtype=layout.dtype).view(layout.dram_shape(num_pages))
+        self._pinned_ptr = 0  # start of the range registered with CUDA; 0 when pageable
+        self.pin_failure: str | None = None  # why pin_for_cuda failed (it is not tried again)
 
     @property
     def dram_bytes(self) -> int:
         """Size of the mapping in bytes (``num_pages * layout.page_bytes``)."""
         return self.num_pages * self.layout.page_bytes
+
+    @property
+    def cuda_pinned(self) -> bool:
+        """Whether the mapping is registered with CUDA (page-locked, DMA-able)."""
+        return self._pinned_ptr != 0
+
+    def pin_for_cuda(self) -> bool:
+        """Page-lock the whole mapping for CUDA (``cudaHostRegister``); idempotent.
+
+        Only this process's view is registered (the I/O worker maps the same pages and needs no
+        CUDA). Undone by :meth:`close`, before the mapping is unmapped. A failure (no CUDA, the
+        driver refused, not enough lockable memory) leaves the pool pageable, with one warning:
+        copies stay correct, only slower (see ``hiradix.dataplane.device_copy``).
+
+        Returns:
+            True when the mapping is pinned.
+        """
+        if self._pinned_ptr or self._mmap is None or self.pin_failure is not None:
+            return self._pinned_ptr != 0
+        ptr = self.tensor.data_ptr()
+        reason = cuda_host_register(ptr, self.dram_bytes)
+        if reason is not None:
+            self.pin_failure = reason
+            logger.warning("DRAM tier %s stays pageable (%d bytes not pinned): %s; DRAM <-> HBM copies "
+                           "are staged by the CPU", self.path, self.dram_bytes, reason)
+            return False
+        self._pinned_ptr = ptr
+        logger.info("DRAM tier %s: %d bytes pinned for CUDA", self.path, self.dram_bytes)
+        return True
+
+    def _unpin(self) -> None:
+        """Undo :meth:`pin_for_cuda` (before the mapping goes away)."""
+        if not self._pinned_ptr:
+            return
+        ptr, self._pinned_ptr = self._pinned_ptr, 0
+        reason = cuda_host_unregister(ptr)
+        if reason is not None:
+            logger.warning("DRAM tier %s: %s", self.path, reason)
 
     @classmethod
     def create_anonymous(cls, layout: KVLayout, num_pages: int) -> DramPool:
@@ -211,8 +254,10 @@ class DramPool:
         """Drop this object's references to the mapping; idempotent.
 
         Views handed out earlier (``tensor``, ``page_view``) keep the mapping alive until they
-        are collected; the memory is unmapped when the last one goes.
+        are collected; the memory is unmapped when the last one goes. A CUDA registration is
+        undone first, so no mapping is ever unmapped while registered.
         """
+        self._unpin()
         if self._memfd >= 0:
             os.close(self._memfd)
             self._memfd = -1

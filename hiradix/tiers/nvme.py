@@ -19,6 +19,11 @@ Two backends implement the block I/O under :class:`NvmeStore`:
   refuses ``O_DIRECT``.
 - ``kvikio``: KvikIO's ``CuFile`` (GPUDirect Storage where available, its POSIX compatibility
   mode otherwise); imported lazily, only where ``import kvikio`` works and a CUDA device exists.
+  These reads and writes go through host bounce buffers (the DRAM tier is host memory).
+
+:meth:`NvmeStore.read_slots_to_device` reads slots into device memory instead (NVMe -> HBM,
+:mod:`hiradix.tiers.nvme_device`: KvikIO where GPUDirect Storage is present, POSIX otherwise);
+``scripts/gpu_check`` uses it; the serving path does not (yet).
 
 Data movement only; which slots are free is :class:`hiradix.core.allocator.PageAllocator`'s.
 """
@@ -34,12 +39,15 @@ import stat
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
 from hiradix.tiers.checksum import TRAILER, pack_trailer, verify_slot  # noqa: F401 - re-exported
 from hiradix.tiers.files import ensure_private_dir
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +239,7 @@ class NvmeStore:
         self._bounce_all = [mmap.mmap(-1, self.run_slots * self.slot_bytes, flags=flags) for _ in range(threads)]
         for buf in self._bounce_all:
             self._bounce.put(buf)
+        self._device_reader = None  # nvme_device.DeviceSlotReader, made by read_slots_to_device
 
     @property
     def backend(self) -> str:
@@ -432,8 +441,39 @@ class NvmeStore:
         finally:
             self._bounce.put(buf)
 
+    def read_slots_to_device(self, slot_ids: list[int], dst: torch.Tensor, path: str | None = None) -> list[bool]:
+        """Read and verify slots into the rows of a device tensor (NVMe -> HBM).
+
+        Args:
+            slot_ids: slot ids in ``[0, num_slots)``.
+            dst: uint8 ``(len(slot_ids), page_bytes)`` with contiguous rows, on a CUDA device
+                (a CPU tensor runs the POSIX path).
+            path: ``"kvikio"`` or ``"posix"`` to force one; None: KvikIO where GPUDirect
+                Storage is present, else POSIX (:func:`hiradix.tiers.nvme_device.choose_device_read_path`).
+                Fixed by the first call (the reader is kept until :meth:`close`).
+
+        Returns:
+            Per slot, True when ``dst[i]`` holds the verified payload; False (a miss) leaves
+            ``dst[i]`` unchanged.
+
+        Raises:
+            ValueError: a slot out of range, or ``dst`` of the wrong shape, dtype or device.
+            RuntimeError: ``path="kvikio"`` where KvikIO is not usable.
+        """
+        from hiradix.tiers.nvme_device import DeviceSlotReader  # noqa: PLC0415 - torch only when used
+
+        reader = self._device_reader
+        if reader is None or reader.device != dst.device or (path is not None and reader.path != path):
+            if reader is not None:
+                reader.close()
+            reader = self._device_reader = DeviceSlotReader(self, dst.device, path)
+        return reader.read(slot_ids, dst)
+
     def close(self) -> None:
         """Finish queued I/O, stop the threads, close the file; idempotent."""
+        if self._device_reader is not None:
+            self._device_reader.close()
+            self._device_reader = None
         if self._file is None:
             return
         self._executor.shutdown(wait=True)

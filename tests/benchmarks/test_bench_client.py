@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import sys
 import textwrap
@@ -303,12 +304,36 @@ def test_tier_sizes_are_equal_for_hicache_and_hiradix(tmp_path):
         "file_storage_path": str(tmp_path / "hicache-hicache")}
     for name in ("lru", "lookahead"):
         a = args[name]
-        assert float(a[a.index("--hiradix-dram-gb") + 1]) * 1e9 == pytest.approx(2.0 * 2048 * per_token, rel=1e-5)
+        assert a[a.index("--hiradix-dram-ratio") + 1] == "2"  # the same ratio as --hicache-ratio
+        assert "--hiradix-dram-gb" not in a
         assert a[a.index("--hiradix-nvme-path") + 1] == str(tmp_path / f"nvme-{name}")
         assert a[a.index("--hiradix-policy") + 1] == name and a[a.index("--hiradix-nvme-gb") + 1] == "1.5"
     kept = ab.with_tier_sizes(ab.resolve_systems("x", ["x=--enable-hiradix --hiradix-dram-gb 7"], [], []),
                               2.0, 0, 1000, tmp_path)
     assert kept[0].server_args == ("--enable-hiradix", "--hiradix-dram-gb", "7")
+
+
+def test_nvme_is_sized_to_the_run_and_removed_after(tmp_path):
+    """Issue 14: no 2 GB nvme.kv per system when the run never reads NVMe; files go at the end."""
+    from bench.conversations import Session
+
+    sessions = [Session(f"s{i}", ({"role": "user", "content": "x" * 300}, {"role": "assistant", "content": "y" * 300},
+                                  {"role": "user", "content": "z" * 300}), "synthetic") for i in range(3)]
+    tokens = ab.working_set_tokens(sessions, max_tokens=8)
+    assert tokens == 3 * (900 + 3 * ab.TEMPLATE_TOKENS_PER_MESSAGE + 8 * 2)
+    gb, why = ab.nvme_gb_for_run(None, sessions, 8, 2048, dram_bytes=tokens * 2048)
+    assert gb == 0.0 and "fits in DRAM" in why
+    gb, why = ab.nvme_gb_for_run(None, sessions, 8, 2048, dram_bytes=1000)
+    assert gb == pytest.approx(max(1e-3, math.ceil(tokens * 2048 * 1.5 / 1e6) / 1e3)) and "1.5 x" in why
+    assert ab.nvme_gb_for_run(0.25, sessions, 8, 2048, dram_bytes=1)[0] == 0.25
+    assert ab.working_set_tokens(sessions, 8, count_tokens=lambda text: 10) == 3 * (3 * (10 + 16) + 16)
+    assert ab.token_counter(tmp_path / "no-model") is None  # no tokenizer.json: the byte bound
+    for name in ("nvme-lru", "hicache-hicache"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f").write_bytes(b"1" * 1000)
+    (tmp_path / "records.json").write_text("[]")
+    assert ab.remove_tier_files(tmp_path) == 2000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["records.json"]
 
 
 def test_parse_args_quick_defaults_and_rejects_stray_options():

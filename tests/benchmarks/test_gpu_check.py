@@ -1,9 +1,10 @@
 """scripts/gpu_check on a CPU machine: argument parsing, offline install, skip paths, JSON output.
 
 The CPU run (``--allow-cpu --quick``) executes every check's code path with tiny sizes: the
-layer-wise loader with ``hiradix.dataplane.layout.load_layer``, NvmeStore's posix backend, and the torch
-reference of the attention check. The figures it writes are not GPU figures; the GPU test at the
-end runs the real thing when a CUDA device is present.
+three DRAM -> HBM paths of ``hiradix.dataplane.device_copy`` through ``HostMover`` and the
+layer-wise loader, the async HBM -> DRAM store, ``NvmeStore.read_slots_to_device`` on its POSIX
+path, and the torch reference of the attention check. The figures it writes are not GPU
+figures; the GPU test at the end runs the real thing when a CUDA device is present.
 """
 
 from __future__ import annotations
@@ -115,14 +116,29 @@ def test_cpu_dry_run_exercises_every_check(tmp_path):
     assert set(checks) == {"layerwise", "nvme", "flashinfer"}
     lw = checks["layerwise"]
     assert lw["status"] == "ok", lw
-    v = lw["variants"]["load_layer_pageable"]
-    assert v["status"] == "ok" and v["verified_bit_exact"] and v["verified_after_overlap"]
-    for key in ("load_alone_ms", "overlapped_ms", "exposed_load_ms", "exposed_share_of_load"):
-        assert isinstance(v[key], float)
+    assert set(lw["variants"]) == {"gather_pinned", "runs_pinned", "host_pageable", "limit_memcpy_pinned"}
+    for name, v in lw["variants"].items():
+        assert v["status"] == "ok" and v["verified_bit_exact"], (name, v)
+        for key in ("load_alone_ms", "load_GBps", "overlapped_ms", "exposed_load_ms", "exposed_share_of_load",
+                    "ideal_exposed_share", "share_of_memcpy_GBps"):
+            assert isinstance(v[key], float), (name, key)
+        if name != "limit_memcpy_pinned":
+            assert v["verified_after_overlap"], name
+    assert lw["variants"]["limit_memcpy_pinned"]["share_of_memcpy_GBps"] == 1.0
+    assert [lw["variants"][n]["path"] for n in ("gather_pinned", "runs_pinned", "host_pageable")] == [
+        "gather", "runs", "host"]
+    assert lw["auto_path"]["path"] == "host" and lw["pinned"] is False
+    assert lw["store"]["status"] == "ok" and lw["store"]["d2h_copies"] >= 1
     nv = checks["nvme"]
     assert nv["status"] == "ok", nv
-    assert nv["write"]["ok"] and nv["methods"]["posix_read_then_h2d"]["verified"]
-    assert nv["methods"]["kvikio_pread_to_gpu_one_read"]["status"] == "skipped"
+    assert nv["write"]["ok"]
+    assert nv["auto_device_read_path"]["path"] == "posix"
+    methods = nv["methods"]
+    assert methods["raw_posix_read"]["status"] == "ok" and methods["raw_posix_read"]["bytes"] > 0
+    assert methods["store_to_device_posix"]["verified"]
+    assert methods["store_to_device_posix"]["raw_limit"] == "raw_posix_read"
+    assert methods["store_to_device_kvikio"]["status"] == "skipped"
+    assert methods["raw_kvikio_to_gpu"]["status"] == "skipped"
     fl = checks["flashinfer"]
     assert fl["status"] == "ok", fl
     for trial in fl["torch_reference"]["trials"]:
@@ -138,5 +154,11 @@ def test_gpu_check_on_gpu(tmp_path):
     results = _run(tmp_path, "--quick", "--checks", "layerwise,nvme")
     lw = results["checks"]["layerwise"]
     assert lw["status"] == "ok", lw
-    assert all(v.get("verified_bit_exact") for v in lw["variants"].values() if v.get("status") == "ok")
-    assert results["checks"]["nvme"]["methods"]["posix_read_then_h2d"]["verified"]
+    assert lw["pinned"] and lw["unpinned_at_close"], lw.get("pin_failure")
+    assert lw["auto_path"]["path"] in ("gather", "runs")
+    for name in ("gather_pinned", "runs_pinned", "host_pageable"):
+        v = lw["variants"][name]
+        assert v["status"] == "ok" and v["verified_bit_exact"] and v["verified_after_overlap"], (name, v)
+    methods = results["checks"]["nvme"]["methods"]
+    assert methods["store_to_device_posix"]["verified"]
+    assert methods["store_to_device_kvikio"].get("verified", True)  # skipped where kvikio is missing

@@ -120,11 +120,11 @@ def test_end_checks_report_failed_requests_missing_checks_and_open_dirs():
 
 def test_gauges_and_summary_line_parse():
     metrics = (
-        '# TYPE hiradix_tier_tokens gauge\n'
-        'hiradix_tier_tokens{tier="HBM",tp_rank="0"} 0.0\n'
-        'hiradix_tier_tokens{tier="DRAM",tp_rank="0"} 32.0\n'
-        'hiradix_tier_tokens{tier="NVMe",tp_rank="0"} 0.0\n'
-        'hiradix_tier_tokens_other{tier="HBM"} 7.0\n'
+        '# TYPE sglang:hiradix_tier_used_tokens gauge\n'
+        'sglang:hiradix_tier_used_tokens{tier="HBM",tp_rank="0"} 0.0\n'
+        'sglang:hiradix_tier_used_tokens{tier="DRAM",tp_rank="0"} 32.0\n'
+        'sglang:hiradix_tier_used_tokens{tier="NVMe",tp_rank="0"} 0.0\n'
+        'sglang:hiradix_tier_used_tokens_other{tier="HBM"} 7.0\n'
     )
     assert parse_tier_tokens(metrics) == {"HBM": 0.0, "DRAM": 32.0, "NVMe": 0.0}
     line = ("hiradix: tokens per tier HBM/DRAM/NVMe=[0, 16, 0] DRAM pages=1/183 NVMe slots=0/542 "
@@ -162,7 +162,7 @@ def test_soak_two_minutes_returns_to_baseline(tiny_model, tmp_path):
     assert report["periodic_checks"] >= 8 and len(report["rss_samples"]) == report["periodic_checks"]
     assert report["log_errors"] == []
     # After /flush_cache every tier is empty, also in the books.
-    assert report["tier_tokens_after_flush"] == {"HBM": 0.0, "DRAM": 0.0, "NVMe": 0.0}
+    assert report["tier_tokens_after_flush"] == {"HBM": 0.0, "DRAM": 0.0, "NVMe": 0.0, "store": 0.0}
     summary = report["summary_after_flush"]
     assert summary["dram_pages_used"] == 0 and summary["nvme_slots_used"] == 0 and summary["nvme_slots"] > 0
     # Everything returned to the baseline; the private directories stayed private.

@@ -187,3 +187,27 @@ def test_completed_prefetches_are_used_with_data_three_times_dram():
 def test_lru_has_no_window():
     tree, _, _ = build("lru")
     assert isinstance(tree.policy, LRUPolicy) and not tree.policy.uses_queue
+
+
+def test_queued_key_reuses_its_peek_until_the_path_changes():
+    """A queued request's peek is revalidated in O(path nodes); a split, a deletion or a new
+    node after the path makes it match again, with the same result a fresh match gives."""
+    from hiradix.core.lookahead import QueuedKey, peek
+
+    tree, books, pool = build("lookahead")
+    calls = []
+    real_match = tree.match
+    tree.match = lambda *a, **kw: calls.append(1) or real_match(*a, **kw)
+    insert(tree, pool, seq(1, pages=2))
+    key = QueuedKey(seq(1, pages=2) + [7] * PS)
+    assert peek(tree, key).hbm_len == 2 * PS and len(calls) == 1
+    assert peek(tree, key).hbm_len == 2 * PS and len(calls) == 1  # reused: the path did not change
+    insert(tree, pool, seq(1, pages=2) + [7] * PS)  # a new node after the path: match again
+    assert peek(tree, key).hbm_len == 3 * PS and len(calls) == 2
+    real_match(seq(1, pages=1))  # a split on the path: match again
+    m = peek(tree, key)
+    assert len(calls) == 3 and m.hbm_len == 3 * PS and len(m.nodes) == 3
+    assert peek(tree, key) == real_match(key.tokens, split=False, touch=False) and len(calls) == 3  # reused again
+    for slots in evict_hbm(tree, 100, books):  # nodes deleted (no lower copy): match again
+        pool.release(slots)
+    assert peek(tree, key).hbm_len == 0 and len(calls) == 4

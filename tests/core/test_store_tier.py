@@ -212,8 +212,32 @@ def test_failed_puts_in_a_row_switch_the_store_off_once_and_it_comes_back(caplog
     assert not a.tiers.store.lookups
     clock.advance_to(clock() + STORE_RETRY_S + 1)
     a.step()
-    assert a.tiers.store_enabled  # tried again
+    assert a.tiers.store_enabled  # tried again: still failing -> off again, no second warning, twice the wait
+    for tag in range(STORE_FAILURES_IN_ROW):
+        a.serve(keys(60 + tag))
+        settle(a)
+    assert not a.tiers.store_enabled
+    assert sum("cluster store switched off" in r.getMessage() for r in caplog.records) == 1
+    assert a.tiers.store._retry_at_s - clock() == pytest.approx(2 * STORE_RETRY_S, abs=1.0)
+    clock.advance_to(clock() + 2 * STORE_RETRY_S + 1)
+    a.step()
+    assert a.tiers.store_enabled
     a.tiers.client = a.tiers.store.client = a.tiers.client.inner
     a.serve(keys(50))
     settle(a)
     assert a.tree.tier_tokens[Tier.STORE] == 6 and len(store) == 3
+    assert any("cluster store works again" in r.getMessage() for r in caplog.records)
+
+
+def test_admission_retries_do_not_ask_again_after_a_lookup_found_nothing(cluster):
+    """SGLang retries a skipped request every step: one lookup, one wait, then it runs."""
+    clock, store, a, b = cluster
+    prompt = keys(7)
+    b.cache.match(prompt)
+    assert b.cache.should_wait(prompt)
+    b.step()  # nothing found
+    for _ in range(3):  # the admission retries
+        b.cache.match(prompt)
+        assert not b.cache.should_wait(prompt)
+        b.step()
+    assert b.tiers.store.counts["lookup_pages"] == 3  # asked once

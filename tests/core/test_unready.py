@@ -15,7 +15,7 @@ from hiradix.core.ports import READ_AT_ADMISSION, READ_BACKGROUND
 from hiradix.core.prefix_cache import TieredPrefixCache
 from hiradix.core.predict import PredictivePolicy
 from hiradix.core.tree import TieredRadixTree
-from hiradix.testing.sim_ports import SimClock, SimDevicePool, simulated_controller
+from hiradix.testing.sim_ports import SimClock, SimDevicePool, SimStore, simulated_controller
 
 PS = 2  # tokens per page
 TIMEOUT_S = 2.0
@@ -25,11 +25,12 @@ class Server:
     """One simulated server (HBM 64 tokens unless given)."""
 
     def __init__(self, policy=None, dram_pages: int = 8, nvme_slots: int = 32, hbm_tokens: int = 64,
-                 write_s: float = 1.0, read_s: float = 0.5, dram_free_low_pages: int = 0):
+                 write_s: float = 1.0, read_s: float = 0.5, dram_free_low_pages: int = 0, store=None):
         self.clock = SimClock()
         self.tree = TieredRadixTree(PS, policy or LRUPolicy(), clock=self.clock)
         self.tiers = simulated_controller(self.tree, dram_pages, nvme_slots, page_bytes=64, write_through=True,
-                                          clock=self.clock, read_s_per_page=read_s, write_s_per_page=write_s)
+                                          clock=self.clock, read_s_per_page=read_s, write_s_per_page=write_s,
+                                          store=store, store_read_s_per_page=read_s)
         self.tiers.placement.dram_free_low_pages = dram_free_low_pages
         self.device = SimDevicePool(hbm_tokens, PS)
         self.cache = TieredPrefixCache(self.tree, self.device, self.tiers, load_timeout_s=TIMEOUT_S)
@@ -220,6 +221,31 @@ def test_reads_for_predicted_returns_rank_the_nearest_return_first():
     s.at(s.clock() + 2.0)  # landed: in DRAM, read ahead, not used yet
     assert convs[25.0].in_tier(Tier.DRAM) and convs[10.0].in_tier(Tier.DRAM)
     assert set(s.tiers.reads_ahead.unused) == {convs[25.0].id, convs[10.0].id}
+
+
+def test_reads_for_predicted_returns_also_bring_store_only_prefixes_into_dram():
+    # No NVMe tier; the cluster store holds what this server put there. Pushed out of HBM and
+    # DRAM, the conversations are store-only; the next step reads the nearest predicted return
+    # store -> DRAM (one GET job, in the background), not the one past its returns.
+    s = learned_server(dram_pages=64, nvme_slots=0, store=SimStore())
+    convs = {}
+    for age, tag in ((200.0, 60), (25.0, 61)):
+        s.at(300.0 - age)
+        convs[age] = s.serve(keys(tag, pages=2))
+    s.at(300.0)  # the last one's DRAM copy lands and its put to the store starts
+    s.at(300.5)  # ... and lands
+    s.drop_hbm()
+    s.tiers.placement.make_room(Tier.DRAM, s.tiers.books.dram.capacity, allow_drop=True)
+    s.check()
+    assert all(n.tiers() == [Tier.STORE] for n in convs.values()), convs
+    s.tiers.reads_ahead.reset()
+    before = s.tiers.stats.read_ahead_tokens["started"]
+    s.at(301.0)
+    assert [(op.kind, op.nodes) for op in s.tiers.books.ops.values()] == [(Kind.GET, [convs[25.0]])]
+    assert s.tiers.stats.read_ahead_tokens["started"] - before == 2 * PS
+    s.at(303.0)  # landed in DRAM, read ahead and not used yet
+    assert convs[25.0].tiers() == [Tier.DRAM, Tier.STORE] and convs[200.0].tiers() == [Tier.STORE]
+    assert set(s.tiers.reads_ahead.unused) == {convs[25.0].id}
 
 
 def test_read_ahead_behind_admission_reads_and_its_budget_follows_its_record():

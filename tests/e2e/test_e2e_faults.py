@@ -105,13 +105,13 @@ def run_workload(srv: ServerProcess, phase2_after: Optional[bytes] = None) -> Fa
         phase2_offset = srv.log_path.stat().st_size
         results += run_sessions(srv.base_url, PHASE2, TURNS, WORDS, parallel=PHASE2, first_session=PHASE1)
     metrics = {
-        f"prefetch_{k}": metric(srv.base_url, "hiradix_prefetch_tokens_total", outcome=k)
+        f"prefetch_{k}": metric(srv.base_url, "sglang:hiradix_prefetch_tokens_total", outcome=k)
         for k in ("started", "completed", "failed")
     }
     for kind in ("DEMOTE", "PREFETCH"):
-        metrics[f"failed_{kind}"] = metric(srv.base_url, "hiradix_failed_transfers_total", kind=kind)
-    metrics["skips"] = metric(srv.base_url, "hiradix_admission_skips_total")
-    metrics["nvme_tokens"] = metric(srv.base_url, "hiradix_tier_tokens", tier="NVMe")
+        metrics[f"failed_{kind}"] = metric(srv.base_url, "sglang:hiradix_failed_transfers_total", kind=kind)
+    metrics["skips"] = metric(srv.base_url, "sglang:hiradix_admission_skips_total")
+    metrics["nvme_tokens"] = metric(srv.base_url, "sglang:hiradix_tier_used_tokens", tier="NVMe")
     return FaultRun(results, offsets, phase2_offset, metrics, srv.log_path.read_bytes(), srv.is_healthy())
 
 
@@ -284,9 +284,9 @@ def test_slow_disk_load_never_waits_past_its_timeout(tiny_model: Path, tmp_path:
     srv = fault_server(tiny_model, tmp_path, "load_delay_s=30", hbm_tokens=1024, dram_gb="0.002", timeout_s=LOAD_TIMEOUT_S)
     with srv:
         got = run_sessions(srv.base_url, 6, TURNS, WORDS)  # one at a time: latency = this request's own
-        skips = metric(srv.base_url, "hiradix_admission_skips_total")
-        started = metric(srv.base_url, "hiradix_prefetch_tokens_total", outcome="started")
-        completed = metric(srv.base_url, "hiradix_prefetch_tokens_total", outcome="completed")
+        skips = metric(srv.base_url, "sglang:hiradix_admission_skips_total")
+        started = metric(srv.base_url, "sglang:hiradix_prefetch_tokens_total", outcome="started")
+        completed = metric(srv.base_url, "sglang:hiradix_prefetch_tokens_total", outcome="completed")
         healthy = srv.is_healthy()
     assert healthy
     assert_same_outputs(got, stock_outputs[:6])

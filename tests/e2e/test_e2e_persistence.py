@@ -5,20 +5,28 @@ x 3 turns, then a 4th turn of every session; small requests drive the scheduler 
 transfer is in flight; it is stopped. Server 2, same flags and NVMe path, must re-index the
 durable index (log line and metric), serve the 4th-turn prompts again with hits that can only
 come from the restored NVMe pages (HBM and DRAM start empty), first page included, and give
-token-identical greedy outputs. Server 3 changes ``--page-size`` (another fingerprint): the
-slots are not reused, with one log line naming what changed, and nothing hits.
+token-identical greedy outputs; then ``/flush_cache`` empties every tier (gauges at 0, the prompt
+misses) and frees every slot in the durable index (the file on disk has no live page); it is
+stopped with Ctrl-C's SIGINT. Server 3 changes ``--page-size`` (another fingerprint): the
+slots are not reused, with one log line naming what changed, and nothing hits; it is stopped by
+SIGTERM to its launcher. No server leaves its ``/dev/shm`` socket directory behind.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import stat
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.e2e import chat, metric, run_sessions, start, user_turn
+from hiradix.persistence.index import Put, _read_records, _replay
+
+from tests.helpers.e2e import chat, metric, run_sessions, shm_dirs_of, start, user_turn
 
 pytestmark = pytest.mark.e2e
 
@@ -52,7 +60,18 @@ def settle(base_url: str, timeout_s: float = 120.0) -> None:
     while quiet < 2:
         assert time.monotonic() < deadline, "transfers still in flight"
         chat(base_url, [{"role": "user", "content": "ping"}], max_tokens=1)
-        quiet = quiet + 1 if metric(base_url, "hiradix_transfers_in_flight") == 0 else 0
+        quiet = quiet + 1 if metric(base_url, "sglang:hiradix_transfers_in_flight") == 0 else 0
+
+
+def flush_and_repeat(base_url: str, prompt: list[dict]) -> dict:
+    """POST /flush_cache; wait (no requests) until every tier gauge reads 0; send ``prompt`` again."""
+    with urllib.request.urlopen(urllib.request.Request(base_url + "/flush_cache", method="POST"), timeout=60) as resp:
+        assert resp.status == 200
+    deadline = time.monotonic() + 60
+    while any(metric(base_url, "sglang:hiradix_tier_used_tokens", tier=t) for t in ("HBM", "DRAM", "NVMe")):
+        assert time.monotonic() < deadline, "tiers not empty after /flush_cache"
+        time.sleep(0.5)  # the idle scheduler steps about once a second
+    return chat(base_url, prompt)
 
 
 def test_nvme_tier_survives_restart_and_other_fingerprint_is_not_reused(tiny_model: Path, tmp_path: Path):
@@ -62,15 +81,26 @@ def test_nvme_tier_survives_restart_and_other_fingerprint_is_not_reused(tiny_mod
         prompts = last_turn_prompts(run_sessions(s1.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS))
         before = [chat(s1.base_url, p) for p in prompts]
         settle(s1.base_url)
-        nvme_tokens = metric(s1.base_url, "hiradix_tier_tokens", tier="NVMe")
+        nvme_tokens = metric(s1.base_url, "sglang:hiradix_tier_used_tokens", tier="NVMe")
+        shm = {"s1": shm_dirs_of(s1)}
     assert nvme_tokens > 0
     index = nvme_dir / "hiradix-rank0" / "index.log"
     assert stat.S_IMODE(index.stat().st_mode) == 0o600
 
     with start(tiny_model, tmp_path / "s2.log", 2048, flags(nvme_dir)) as s2:
         after = [chat(s2.base_url, p) for p in prompts]
-        restored = metric(s2.base_url, "hiradix_nvme_restored_pages")
+        restored = metric(s2.base_url, "sglang:hiradix_nvme_restored_pages")
         log = s2.log_text()
+        flushed = flush_and_repeat(s2.base_url, prompts[0])
+        shm["s2"] = shm_dirs_of(s2)
+        s2.signal_group(signal.SIGINT)  # stopped as Ctrl-C in a terminal stops it
+        assert s2.wait_exit(60) is not None
+    assert flushed["cached"] == 0 and flushed["text"] == before[0]["text"], flushed
+    # /flush_cache freed every NVMe slot in the durable index: a restart re-indexes nothing.
+    # The slot file keeps its pre-allocated size.
+    records, _ = _read_records(index.read_bytes(), index)
+    assert any(isinstance(r, Put) for r in records) and _replay(records, 1 << 30, 16) == {}
+    assert (nvme_dir / "hiradix-rank0" / "nvme.kv").stat().st_size > 0
     logged = re.search(r"same fingerprint; re-indexed (\d+) pages", log)
     assert logged and int(logged.group(1)) == restored > 0, log[-3000:]
     # Nothing but the restored pages can serve the first request after a restart.
@@ -82,8 +112,13 @@ def test_nvme_tier_survives_restart_and_other_fingerprint_is_not_reused(tiny_mod
 
     with start(tiny_model, tmp_path / "s3.log", 2048, flags(nvme_dir, page_size=32)) as s3:
         first = chat(s3.base_url, prompts[0])
-        restored = metric(s3.base_url, "hiradix_nvme_restored_pages")
+        restored = metric(s3.base_url, "sglang:hiradix_nvme_restored_pages")
         log = s3.log_text()
+        shm["s3"] = shm_dirs_of(s3)
+        os.kill(s3.pid, signal.SIGTERM)  # SGLang's graceful shutdown: SIGTERM to the launcher only
+        assert s3.wait_exit(60) == 0
+    # Issue 14: a normal shutdown (group SIGTERM, Ctrl-C, launcher SIGTERM) leaves no socket directory.
+    assert all(shm[s] for s in shm) and not [d for dirs in shm.values() for d in dirs if d.exists()], shm
     assert restored == 0
     assert len(re.findall(r"was written for another setup \(.*page_size: 16 -> 32", log)) == 1, log[-3000:]
     assert first["cached"] == 0 and first["text"] == before[0]["text"]

@@ -9,6 +9,7 @@ The ``stock_outputs`` fixture (tests/conftest.py) runs it on stock SGLang once p
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -21,13 +22,15 @@ TOPICS = ["rivers", "compilers", "gardens", "trains", "music", "ice", "clouds", 
           "glass", "paper", "wolves", "tea", "bridges", "moons", "tides", "copper", "wheat", "owls"]  # fmt: skip
 
 
-def chat(base_url: str, messages: list[dict], max_tokens: int = 12) -> dict:
+def chat(base_url: str, messages: list[dict], max_tokens: int = 12, **extra) -> dict:
+    """One greedy chat completion; ``extra`` goes into the body (e.g. ``cache_salt``)."""
     body = {
         "model": "default",
         "messages": messages,
         "temperature": 0,
         "max_tokens": max_tokens,
         "return_cached_tokens_details": True,
+        **extra,
     }
     req = urllib.request.Request(
         f"{base_url}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
@@ -79,6 +82,15 @@ def run_sessions(
         with ThreadPoolExecutor(max_workers=parallel) as pool:
             list(pool.map(lambda s: one(s, t), range(sessions)))
     return results
+
+
+def shm_dirs_of(server: ServerProcess) -> list[Path]:
+    """The private shared-memory directories (``/dev/shm/hiradix-<uid>-<pid>-rank<r>``) of the
+    server's live processes (its schedulers make them)."""
+    from hiradix.tiers.files import default_shm_dir
+
+    base = default_shm_dir().parent
+    return sorted(d for p in server.descendants() for d in base.glob(f"hiradix-{os.geteuid()}-{p.pid}-rank*"))
 
 
 def start(model: Path, log: Path, max_total_tokens: int, extra: list[str]) -> ServerProcess:

@@ -226,3 +226,10 @@ def test_failed_reads_in_a_row_switch_nvme_off_and_a_late_store_is_not_kept(capl
     assert late.tiers() == [Tier.DRAM] and tiers.books.nvme.num_used == 0
     assert tree.tier_tokens[Tier.NVME] == 0 and len(switched_off(caplog)) == 1
     tiers.books.check_integrity()
+
+
+def test_only_rank_scopes_the_faults_to_one_tp_rank():
+    faults = Faults.parse("load_delay_s=0.3,only_rank=1")
+    assert faults.for_rank(1).load_delay_s == 0.3
+    assert faults.for_rank(0) == Faults()
+    assert Faults.parse("delay_s=0.1").for_rank(5).delay_s == 0.1  # default: every rank

@@ -9,18 +9,15 @@ there), and a process's exit is awaited through a pidfd.
 from __future__ import annotations
 
 import os
-import select
 import signal
 import stat
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import msgspec
 import psutil
 import pytest
-import torch
 import zmq
 
 from hiradix.io.client import IOWorkerClient, WorkerStartError
@@ -43,11 +40,9 @@ from hiradix.io.protocol import (
     validate_job,
 )
 from hiradix.io.worker import Faults
-from hiradix.dataplane.layout import KVLayout
-from hiradix.tiers.dram import DramPool, ensure_private_dir
-from hiradix.tiers.nvme import NvmeStore
+from hiradix.tiers.files import ensure_private_dir
 
-from tests.helpers.io import LAYOUT, NUM_DRAM_PAGES, NUM_NVME_SLOTS, WAIT_S, fill, kill_and_reap, page_bytes, wait_exit, wait_for  # noqa: F401
+from tests.helpers.io import NUM_DRAM_PAGES, NUM_NVME_SLOTS, WAIT_S, fill, kill_and_reap, page_bytes, wait_exit, wait_for
 
 
 # ---- protocol (no process) ------------------------------------------------------------------

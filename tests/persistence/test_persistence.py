@@ -10,7 +10,6 @@ import logging
 import os
 import stat
 
-import pytest
 import torch
 
 from hiradix.persistence.fingerprint import kv_fingerprint, model_identity
@@ -247,3 +246,20 @@ def test_cached_chain_hashes_survive_splits(tmp_path):
     assert restored == 5
     assert h2.tree.match([1, 2, 3, 4, 9, 9, 7, 7]).nvme_len == 8
     assert h2.tree.match([1, 2, 3, 4, 5, 6]).nvme_len == 6
+
+
+def test_store_key_prefix_names_everything_kv_depends_on():
+    from hiradix.persistence.fingerprint import store_key_prefix
+
+    layout = KVLayout(num_layers=2, page_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+    base = store_key_prefix("m1", "float16", layout, 0, 1)
+    assert base.startswith("hiradix/") and base.endswith("/") and base == store_key_prefix("m1", "float16", layout, 0, 1)
+    others = {
+        store_key_prefix("m2", "float16", layout, 0, 1),  # another model (content hash)
+        store_key_prefix("m1", "bfloat16", layout, 0, 1),  # another activation dtype
+        store_key_prefix("m1", "float16", KVLayout(2, 32, 2, 64, torch.float16), 0, 1),  # page size
+        store_key_prefix("m1", "float16", KVLayout(2, 16, 2, 64, torch.bfloat16), 0, 1),  # KV dtype
+        store_key_prefix("m1", "float16", layout, 1, 2),  # another TP shard
+        store_key_prefix("m1", "float16", layout, 0, 2),
+    }
+    assert len(others) == 6 and base not in others

@@ -346,12 +346,12 @@ def test_client_disconnects_mid_prefetch(served):
     next_turn = HISTORY_IDS + first["output_ids"] + NEXT_TURN_IDS
 
     def prefetch(outcome: str) -> float:
-        return metric(url, "hiradix_prefetch_tokens_total", outcome=outcome)
+        return metric(url, "sglang:hiradix_prefetch_tokens_total", outcome=outcome)
 
     started, completed = prefetch("started"), prefetch("completed")
-    skips, aborted = metric(url, "hiradix_admission_skips_total"), metric(url, "sglang:num_aborted_requests_total")
+    skips, aborted = metric(url, "sglang:hiradix_admission_skips_total"), metric(url, "sglang:num_aborted_requests_total")
     conn = open_stream(server, next_turn)
-    wait_until(lambda: prefetch("started") > started and metric(url, "hiradix_admission_skips_total") > skips,
+    wait_until(lambda: prefetch("started") > started and metric(url, "sglang:hiradix_admission_skips_total") > skips,
                "the NVMe read of the history and the request waiting for it")
     hang_up(conn)
     wait_until(lambda: metric(url, "sglang:num_aborted_requests_total") > aborted, "the abort of the request")

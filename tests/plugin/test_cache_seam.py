@@ -1,4 +1,4 @@
-"""HiRadixCache as SGLang's scheduler drives it, over real SGLang CPU pools and real tiers.
+"""TieredRadixCache as SGLang's scheduler drives it, over real SGLang CPU pools and real tiers.
 
 The device side is SGLang's own ``MHATokenToKVPool``, ``PagedTokenToKVPoolAllocator`` and
 ``ReqToTokenPool`` on the CPU; the lower tiers are built by ``build_tiers`` (an anonymous
@@ -22,7 +22,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from hiradix.config import HiRadixConfig
 from hiradix.core.node import Tier
 from hiradix.dataplane.layout import KVLayout
-from hiradix.sglang_plugin.cache import HiRadixCache
+from hiradix.sglang_plugin.cache import TieredRadixCache
 
 PS, LAYERS, HEADS, HEAD_DIM = 4, 2, 2, 8
 DEVICE_TOKENS = 16 * PS  # 16 device pages (SGLang adds padding page 0)
@@ -42,7 +42,7 @@ class Seam:
         params = types.SimpleNamespace(req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc,
                                        page_size=PS, tp_cache_group=None, enable_metrics=False)
         page_bytes = KVLayout.from_device_pool(self.kv, PS).page_bytes
-        self.cache = HiRadixCache(params, HiRadixConfig(dram_bytes=DRAM_PAGES * page_bytes, policy="lru"), kv_pool=self.kv)
+        self.cache = TieredRadixCache(params, HiRadixConfig(dram_bytes=DRAM_PAGES * page_bytes, policy="lru"), kv_pool=self.kv)
         self.gen = torch.Generator().manual_seed(0)
 
     def used(self) -> int:

@@ -188,6 +188,9 @@ REFUSALS = [
     ("page-size-below-one", ["--page-size", "-16"], ["--page-size must be >= 1 with --enable-hiradix, got -16"]),
     ("predictive-with-tp", ["--hiradix-policy", "predictive", "--tp-size", "2"],
      ["--hiradix-policy predictive cannot be combined with --tp-size 2", "use --hiradix-policy lookahead"]),
+    # issue 14: HiCache's flags would be silently ignored; each names hiradix's equivalent.
+    ("hicache-ratio", ["--hicache-ratio", "2"], ["--hicache-ratio 2.0 configures SGLang's HiCache", "--hiradix-dram-ratio"]),
+    ("dram-zero", ["--hiradix-dram-gb", "0"], ["--hiradix-dram-gb must be > 0, got 0", "--hiradix-dram-mode staging"]),
 ]  # fmt: skip
 
 
@@ -277,7 +280,7 @@ def test_help_lists_hiradix_flags(venv_python, cpu_env, tmp_path):
     help_text = result.stdout.split("\nhiradix:\n", 1)[1]  # our argument group
     for flag in ("--enable-hiradix", *flags.VALUE_FLAGS.values()):
         assert flag in help_text
-    assert "{lru,lookahead}" in help_text and "{write_through,write_back}" in help_text
+    assert "{lru,lookahead,predictive}" in help_text and "{write_through,write_back}" in help_text
 
 
 def test_valid_config_is_accepted_by_the_launcher(venv_python, cpu_env, cpu_flags, llama_dir, tmp_path):
@@ -292,7 +295,7 @@ def test_valid_config_is_accepted_by_the_launcher(venv_python, cpu_env, cpu_flag
     result = launch(venv_python, args, cpu_env, tmp_path)
     assert result.hiradix_lines() == []
     assert (
-        "hiradix: enabled (policy=lru, write_policy=write_back, dram_bytes=500000000, "
+        "hiradix: enabled (policy=lru, write_policy=write_back, dram_bytes=500000000, dram_mode=cache, "
         f"nvme={nvme} (250000000 bytes), store=off, load_timeout_s=3, page_size=16)"
     ) in result.output
     assert "'radix_cache_backend': 'hiradix'" in result.output
@@ -455,6 +458,61 @@ def test_valid_flags_become_config_backend_and_page_size(monkeypatch, llama_dir,
     assert pickle.loads(pickle.dumps(args))._hiradix_config == expected
 
 
+def test_enable_turns_on_cache_report_and_metrics(monkeypatch, llama_dir):
+    """Issue 14: the README's command, without --enable-metrics/--enable-cache-report, still
+    gives per-tier hit details and /metrics."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    args = parse_in_process(["--model-path", str(llama_dir), "--enable-hiradix"], monkeypatch)
+    assert args.enable_metrics is True and args.enable_cache_report is True
+    assert args._hiradix_turned_on == ("--enable-cache-report", "--enable-metrics")
+    given = parse_in_process(["--model-path", str(llama_dir), "--enable-hiradix", "--enable-metrics"], monkeypatch)
+    assert given.enable_metrics is True and given._hiradix_turned_on == ("--enable-cache-report",)
+
+
+@pytest.mark.parametrize(
+    "extra, flag, equivalent",
+    [
+        (["--hicache-ratio", "2"], "--hicache-ratio 2.0", "--hiradix-dram-ratio"),
+        (["--hicache-size", "8"], "--hicache-size 8", "--hiradix-dram-gb"),
+        (["--hicache-write-policy", "write_back"], "--hicache-write-policy write_back", "--hiradix-write-policy"),
+        (["--hicache-storage-backend", "file"], "--hicache-storage-backend file", "--hiradix-nvme-path"),
+        (["--hicache-storage-prefetch-policy", "wait_complete"], "--hicache-storage-prefetch-policy wait_complete",
+         "--hiradix-load-timeout-s"),
+        (["--hicache-host-memory-mode", "buffer_only"], "--hicache-host-memory-mode buffer_only", "--hiradix-dram-mode"),
+        (["--hicache-mem-layout", "layer_first"], "--hicache-mem-layout layer_first", "nothing"),
+    ],
+)  # fmt: skip
+def test_hicache_flags_are_refused_naming_the_equivalent(monkeypatch, llama_dir, extra, flag, equivalent):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    with pytest.raises(refusals.HiRadixRefusal) as caught:
+        parse_in_process(["--model-path", str(llama_dir), "--enable-hiradix", *extra], monkeypatch)
+    message = str(caught.value)
+    assert message.startswith(f"hiradix: {flag} configures SGLang's HiCache"), message
+    assert f"hiradix's equivalent: {equivalent}" in message
+    # Without --enable-hiradix the same flags are SGLang's business: nothing refused.
+    parse_in_process(["--model-path", str(llama_dir), *extra], monkeypatch)
+
+
+def test_hicache_defaults_given_explicitly_are_not_refused(monkeypatch, llama_dir):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    args = parse_in_process(["--model-path", str(llama_dir), "--enable-hiradix",
+                             "--hicache-write-policy", "write_through"], monkeypatch)  # the default: no effect
+    assert args.radix_cache_backend == "hiradix"
+
+
+def test_dram_ratio_flag(monkeypatch, llama_dir):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    args = parse_in_process(["--model-path", str(llama_dir), "--enable-hiradix", "--hiradix-dram-ratio", "2.5"],
+                            monkeypatch)
+    config = args._hiradix_config
+    assert (config.dram_ratio, config.dram_bytes) == (2.5, 0)
+    assert config.dram_bytes_for(1_000_000) == 2_500_000
+    assert HiRadixConfig().dram_bytes_for(1_000_000) == 4_000_000_000  # a size in GB ignores the pool
+    with pytest.raises(refusals.HiRadixRefusal, match="--hiradix-dram-ratio and --hiradix-dram-gb both size"):
+        parse_in_process(["--model-path", str(llama_dir), "--enable-hiradix", "--hiradix-dram-ratio", "2",
+                          "--hiradix-dram-gb", "1"], monkeypatch)
+
+
 def test_explicit_page_size_is_kept(monkeypatch, llama_dir):
     monkeypatch.delenv(ENV_VAR, raising=False)
     args = parse_in_process(
@@ -504,6 +562,16 @@ def test_refusal_is_a_system_exit_with_one_line(monkeypatch, llama_dir, capsys):
 # ------------------------------------------------------------- HiRadixConfig units
 
 
+def test_readme_flag_table_is_the_help_text():
+    """Issue 14: `--help` and the README say the same: each row is the flag's help and default."""
+    from hiradix.config import FLAGS
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for spec in FLAGS:
+        default = "none" if spec.default is None else f"{spec.default:g}" if isinstance(spec.default, float) else spec.default
+        assert f"| `{spec.flag}` | {spec.help} | {default} |" in readme, spec.flag
+
+
 def test_config_defaults():
     config = HiRadixConfig.from_flags()
     assert config == HiRadixConfig()
@@ -543,6 +611,11 @@ def test_config_converts_gb_and_resolves_path(tmp_path, monkeypatch):
          "--hiradix-write-policy must be one of ['write_through', 'write_back'], got 'write_around'"),
         (dict(load_timeout_s=0), "--hiradix-load-timeout-s must be a finite number > 0 (seconds), got 0.0"),
         (dict(load_timeout_s=math.inf), "--hiradix-load-timeout-s must be a finite number > 0"),
+        (dict(dram_ratio=0), "--hiradix-dram-ratio must be a finite number > 0 (x the device KV pool), got 0"),
+        (dict(dram_ratio=-1), "--hiradix-dram-ratio must be a finite number > 0"),
+        (dict(dram_ratio=1, dram_gb=2), "--hiradix-dram-ratio and --hiradix-dram-gb both size the DRAM tier"),
+        (dict(dram_mode="staging"), "--hiradix-dram-mode staging needs an NVMe tier (--hiradix-nvme-gb > 0)"),
+        (dict(dram_mode="buffer"), "--hiradix-dram-mode must be one of ['cache', 'staging'], got 'buffer'"),
     ],
 )  # fmt: skip
 def test_config_errors_name_the_flag(kwargs, message):
@@ -578,7 +651,7 @@ def test_config_json_and_pickle_round_trip(config):
         ("{not json", "HIRADIX_CONFIG is not valid JSON"),
         ("[1, 2]", "HIRADIX_CONFIG must be a JSON object"),
         (json.dumps({**json.loads(HiRadixConfig().to_json()), "extra": 1}), "HIRADIX_CONFIG has unknown keys ['extra']"),
-        (json.dumps({"dram_bytes": 1}), "HIRADIX_CONFIG lacks keys ['load_timeout_s'"),
+        (json.dumps({"dram_bytes": 1}), "HIRADIX_CONFIG lacks keys ['dram_mode', 'dram_ratio', 'load_timeout_s'"),
         (HiRadixConfig().to_json().replace("4000000000", "-1000000000"), "--hiradix-dram-gb must be > 0, got -1"),
     ],
 )
@@ -795,7 +868,7 @@ def test_config_reaches_the_scheduler(venv_python, cpu_env, cpu_flags, tiny_mode
     output = watch_server(venv_python, args, cpu_env, tmp_path, "hiradix: building the cache", 180)
     summary = (
         "policy=lookahead, lookahead_window=64, write_policy=write_through, "
-        f"dram_bytes=500000000, nvme={nvme} (250000000 bytes), store=off, load_timeout_s=2"
+        f"dram_bytes=500000000, dram_mode=cache, nvme={nvme} (250000000 bytes), store=off, load_timeout_s=2"
     )
     assert f"hiradix: enabled ({summary}, page_size=16)" in output, output[-4000:]
     assert output.count("hiradix: enabled") == 1  # checked once, not again in children

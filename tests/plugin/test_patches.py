@@ -162,6 +162,68 @@ def test_transfer_kv_direct_matches_reference(page_size):
         assert torch.equal(d, want)
 
 
+def _page_first_direct_case(seed: int, page_size: int, num_layers: int = 3):
+    """Device layers (K then V, `(slots, H, D)`), host `[k, v]` `(pages, L, ps, H, D)`, and
+    page-aligned index runs as SGLang passes them (host pages and device pages, shuffled)."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, dim, device_slots, host_pages = 2, 8, 48, 10
+    device = [torch.randn(device_slots, heads, dim, generator=gen) for _ in range(2 * num_layers)]
+    host = [torch.randn(host_pages, num_layers, page_size, heads, dim, generator=gen) for _ in range(2)]
+    n_pages = 4
+    within = torch.arange(page_size)
+    host_idx = (torch.randperm(host_pages, generator=gen)[:n_pages, None] * page_size + within).flatten()
+    dev_idx = (torch.randperm(device_slots // page_size, generator=gen)[:n_pages, None] * page_size + within).flatten()
+    return device, host, dev_idx, host_idx
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_transfer_kv_all_layer_direct_lf_pf_matches_reference(page_size):
+    device, host, dev_idx, host_idx = _page_first_direct_case(page_size, page_size)
+    want = [h.clone() for h in host]
+    num_layers = host[0].shape[1]
+    for c in range(2):  # the reference: one row at a time
+        for s, d in zip(dev_idx.tolist(), host_idx.tolist()):
+            for layer in range(num_layers):
+                want[c][d // page_size, layer, d % page_size] = device[c * num_layers + layer][s]
+
+    kvio.transfer_kv_all_layer_direct_lf_pf(src_ptrs=device, dst_ptrs=host, src_indices=dev_idx,
+                                            dst_indices=host_idx, page_size=page_size)
+    assert all(torch.equal(h, w) for h, w in zip(host, want))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_transfer_kv_per_layer_direct_pf_lf_matches_reference(page_size):
+    device, host, dev_idx, host_idx = _page_first_direct_case(10 + page_size, page_size)
+    num_layers = host[0].shape[1]
+    for layer in range(num_layers):
+        dst = [device[layer].clone(), device[num_layers + layer].clone()]
+        want = [d.clone() for d in dst]
+        for c in range(2):
+            for s, d in zip(host_idx.tolist(), dev_idx.tolist()):
+                want[c][d] = host[c][s // page_size, layer, s % page_size]
+        kvio.transfer_kv_per_layer_direct_pf_lf(src_ptrs=host, dst_ptrs=dst, src_indices=host_idx,
+                                                dst_indices=dev_idx, layer_id=layer, page_size=page_size)
+        assert all(torch.equal(x, w) for x, w in zip(dst, want)), layer
+
+
+def test_page_first_direct_round_trip_and_refusals():
+    device, host, dev_idx, host_idx = _page_first_direct_case(3, 4)
+    kvio.transfer_kv_all_layer_direct_lf_pf(device, host, dev_idx, host_idx, 4)
+    back = [torch.zeros_like(d) for d in device]
+    for layer in range(3):
+        kvio.transfer_kv_per_layer_direct_pf_lf(host, [back[layer], back[3 + layer]], host_idx, dev_idx, layer, 4)
+    untouched = torch.ones(back[0].shape[0], dtype=torch.bool)
+    untouched[dev_idx] = False
+    for d, b in zip(device, back):
+        assert torch.equal(b[dev_idx], d[dev_idx]) and not b[untouched].any()
+    with pytest.raises(ValueError, match="device buffers"):
+        kvio.transfer_kv_all_layer_direct_lf_pf(device[:5], host, dev_idx, host_idx, 4)
+    with pytest.raises(ValueError, match="whole number of pages"):
+        kvio.transfer_kv_all_layer_direct_lf_pf(device, host, dev_idx[:3], host_idx[:3], 4)
+    with pytest.raises(ValueError, match="layer_id"):
+        kvio.transfer_kv_per_layer_direct_pf_lf(host, back[:2], host_idx, dev_idx, 3, 4)
+
+
 def test_transfer_kv_direct_rejects_mismatches():
     a, b = [torch.zeros(8, 2)], [torch.zeros(8, 2)]
     with pytest.raises(ValueError):
@@ -239,6 +301,7 @@ def test_apply_is_idempotent():
     import p02_torchvision_op_schemas as p02
     import p03_hicache_host_pool_cpu as p03
     import p04_torch_native_extend_new_queries as p04
+    import p05_hicache_page_first_direct_cpu as p05
 
     first = subprocess.run([PYTHON, str(PATCHES / "apply.py")], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
@@ -252,8 +315,8 @@ def test_apply_is_idempotent():
     second = subprocess.run([PYTHON, str(PATCHES / "apply.py")], capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     lines = second.stdout.strip().splitlines()
-    assert len(lines) == 4, second.stdout
-    for module, line in zip((p01, p02, p03, p04), lines):
+    assert len(lines) == 5, second.stdout
+    for module, line in zip((p01, p02, p03, p04, p05), lines):
         assert line.startswith(f"[patches] {module.NAME}: "), line
         assert ": already applied (" in line or ": skipped (" in line, line
     assert {f: _sha(f) for f in files} == before
@@ -358,6 +421,39 @@ def test_apply_exits_nonzero_with_file_and_anchor(tmp_path):
     assert "mha.py: anchor missing" in proc.stderr and "this anchor is not in the file" in proc.stderr
 
 
+def test_page_first_direct_patch_on_a_copy_applies_once_and_fails_loudly(tmp_path, monkeypatch):
+    import p05_hicache_page_first_direct_cpu as p05
+
+    installed = _patchlib.installed_file("sglang", "sglang/srt/mem_cache/pool_host/mha.py").read_text()
+    copy = tmp_path / "mha.py"
+    copy.write_text(installed.replace(p05.REPLACEMENT, p05.ANCHOR))
+    assert p05.MARKER not in copy.read_text()
+    monkeypatch.setattr(p05, "installed_file", lambda dist, rel: copy)
+    assert p05.apply()[0] == _patchlib.APPLIED
+    patched = copy.read_text()
+    assert patched.count(p05.MARKER) == 1 and "transfer_kv_per_layer_direct_pf_lf," in patched
+    compile(patched, "mha.py", "exec")
+    assert p05.apply()[0] == _patchlib.ALREADY and copy.read_text() == patched
+    copy.write_text(installed.replace(p05.REPLACEMENT, p05.ANCHOR).replace("def prepare_mha_write_back_staging(",
+                                                                         "def prepare_staging("))
+    with pytest.raises(_patchlib.PatchError, match="anchor missing"):
+        p05.apply()
+
+
+def test_stock_hicache_on_cpu_binds_the_page_first_direct_copies():
+    """With the patches, SGLang's MHA host pool module has the stand-in's two copies (not stubs)."""
+    code = textwrap.dedent("""
+        import sglang.srt.mem_cache.pool_host.mha as mha
+        for name in ("transfer_kv_all_layer_direct_lf_pf", "transfer_kv_per_layer_direct_pf_lf"):
+            fn = getattr(mha, name)
+            assert fn.__module__ == "sgl_kernel.kvcacheio", (name, fn.__module__)
+        print("ok")
+    """)
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
+    proc = subprocess.run([PYTHON, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
 def test_standin_install_decisions(tmp_path, monkeypatch):
     """p01 on an empty site-packages: installs, then finds it, updates a stale copy, and
     leaves a real or a broken sgl_kernel alone."""
@@ -424,9 +520,10 @@ def test_patches_require_sglang_0_5_23(monkeypatch):
     import p01_sgl_kernel_standin as p01
     import p02_torchvision_op_schemas as p02
     import p03_hicache_host_pool_cpu as p03
+    import p05_hicache_page_first_direct_cpu as p05
 
     monkeypatch.setattr(_patchlib, "installed_version", lambda dist: "0.5.22")
-    for module in (p01, p02, p03):
+    for module in (p01, p02, p03, p05):
         with pytest.raises(_patchlib.PatchError, match="sglang==0.5.23"):
             module.apply()
 

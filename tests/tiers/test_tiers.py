@@ -433,7 +433,7 @@ def test_nvme_backend_selection(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(
     kvikio_unusable_reason() is not None,
-    reason=f"KvikIO backend needs kvikio-cu12 and a CUDA driver/device: {kvikio_unusable_reason()}",
+    reason=f"KvikIO backend needs kvikio-cu13 (pip install '.[gpu]') and a CUDA driver/device: {kvikio_unusable_reason()}",
 )
 def test_nvme_kvikio_round_trip_and_corruption(tmp_path):
     with NvmeStore.create(tmp_path / "nvme", PAGE_BYTES, 8, backend="kvikio") as store:

@@ -1,0 +1,204 @@
+"""The cluster tier end to end: two hiradix servers share KV through one Mooncake Store.
+
+One store (:class:`hiradix.testing.mooncake.MooncakeCluster`: a master and a holder on
+loopback) and two hiradix servers A and B (tiny model, ``--hiradix-store mooncake``,
+``HIRADIX_CHECK_INTEGRITY=1``: the invariants are proved after every scheduler step) are shared
+by the module and stopped by PID. The tests run in file order; the fault tests come last.
+
+| test                                   | expected                                                     |
+|----------------------------------------|--------------------------------------------------------------|
+| turns alternate between A and B        | the other server's turns hit from the store: >= 90% of the reusable prefix; outputs == stock |
+| salted requests                        | a salt never hits another salt's pages; the same salt does   |
+| a server with another page size        | no hits on what A and B stored                               |
+| holder killed / master frozen / killed | every request answered with the right tokens within its deadline; the store tier switches off and comes back with the store |
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from hiradix.testing.mooncake import MooncakeCluster
+from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
+from tests.helpers.e2e import TURNS, WORDS, assert_same_outputs, chat, metric, user_turn
+from tests.helpers.store import requires_mooncake
+
+pytestmark = [pytest.mark.e2e, requires_mooncake]
+
+PAGE_TOKENS = 16
+SESSIONS = 6
+TIMEOUT_S = 2.0  # --hiradix-load-timeout-s
+RETRY_S = 3.0  # HIRADIX_STORE_RETRY_S: a switched-off store is tried again this soon
+# A request of the tiny model takes well under a second here; one that waited past its
+# deadline (a hang) would take the client's 300 s.
+ANSWER_WITHIN_S = 60.0
+
+
+def hiradix_args(store: MooncakeCluster, page_size: int = PAGE_TOKENS) -> list[str]:
+    return cpu_args(4096) + [
+        "--page-size", str(page_size),
+        "--enable-hiradix", "--hiradix-dram-gb", "0.05",
+        "--hiradix-store", "mooncake", "--hiradix-store-config", store.config_json(),
+        "--hiradix-load-timeout-s", str(TIMEOUT_S),
+    ]  # fmt: skip
+
+
+def start_server(model: Path, store: MooncakeCluster, log: Path, page_size: int = PAGE_TOKENS) -> ServerProcess:
+    env = {**cpu_env(), "HIRADIX_CHECK_INTEGRITY": "1", "HIRADIX_STORE_RETRY_S": str(RETRY_S)}
+    return ServerProcess(model, extra_args=hiradix_args(store, page_size), env=env, log_path=log)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    with MooncakeCluster(num_holders=1, holder_segment_bytes=256 << 20,
+                         log_dir=tmp_path_factory.mktemp("mooncake")) as cluster:  # fmt: skip
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model, store, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("cluster")
+    servers = [start_server(tiny_model, store, logs / f"{name}.log") for name in "ab"]
+    try:
+        for server in servers:
+            server.start(wait=False)
+        for server in servers:
+            server.wait_healthy()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def from_store(r: dict) -> int:
+    """Tokens of a response's hits that came from the cluster store (``storage_backend``)."""
+    m = re.search(r"mooncake=(\d+)", r["details"].get("storage_backend") or "")
+    return int(m.group(1)) if m else 0
+
+
+def run_routed(urls: list[str], sessions: int, turns: int) -> list[list[dict]]:
+    """Turn t of session s goes to ``urls[(s + t) % len(urls)]``: every turn lands on the other
+    server than the one that computed the history before it (round-robin per turn)."""
+    histories = [[{"role": "system", "content": "You are a terse assistant."}] for _ in range(sessions)]
+    results: list[list[dict]] = [[] for _ in range(sessions)]
+    for t in range(turns):
+        for s in range(sessions):
+            histories[s].append({"role": "user", "content": user_turn(s, t, WORDS)})
+            r = chat(urls[(s + t) % len(urls)], histories[s])
+            histories[s].append({"role": "assistant", "content": r["text"]})
+            results[s].append(r)
+    return results
+
+
+def test_turns_routed_to_the_other_server_hit_through_the_store(pair, stock_outputs):
+    a, b = pair
+    got = run_routed([a.base_url, b.base_url], SESSIONS, TURNS)
+    assert_same_outputs(got, stock_outputs[:SESSIONS])
+    reusable = cached = stored = first_reusable = first_cached = first_stored = 0
+    for session in got:
+        for t in range(1, TURNS):
+            prefix = session[t - 1]["prompt_tokens"] // PAGE_TOKENS * PAGE_TOKENS  # the history, whole pages
+            reusable += prefix
+            cached += min(session[t]["cached"], prefix)
+            stored += from_store(session[t])
+            if t == 1:  # the other server never saw this session
+                first_reusable += prefix
+                first_cached += min(session[t]["cached"], prefix)
+                first_stored += from_store(session[t])
+    assert cached >= 0.9 * reusable, (cached, reusable)
+    assert first_cached >= 0.9 * first_reusable, (first_cached, first_reusable)
+    # Locally it holds at most the system prompt's pages that all sessions share (other
+    # sessions' turns ran there): everything else the first cross turn hits comes from the store.
+    assert first_stored >= first_reusable - SESSIONS * 2 * PAGE_TOKENS, (first_stored, first_reusable)
+    assert stored > first_stored  # later turns too get the other server's last turn from the store
+    for server in pair:
+        assert metric(server.base_url, "sglang:hiradix_store_pages_total", op="get") > 0
+        assert metric(server.base_url, "sglang:hiradix_store_pages_total", op="put") > 0
+        assert metric(server.base_url, "sglang:hiradix_store_enabled") == 1
+
+
+def prompt(tag: str, words: int = 60) -> list[dict]:
+    return [{"role": "user", "content": f"{tag}: " + " ".join(f"{tag}{i % 17}" for i in range(words))}]
+
+
+def wait_until_stored(store: MooncakeCluster, count: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while store.key_count() < count and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def test_salted_requests_never_hit_each_others_pages(pair, store):
+    a, b = pair
+    before = store.key_count()
+    first = chat(a.base_url, prompt("salty"), cache_salt="tenant-1")
+    wait_until_stored(store, before + first["prompt_tokens"] // PAGE_TOKENS)
+    other = chat(b.base_url, prompt("salty"), cache_salt="tenant-2")
+    unsalted = chat(b.base_url, prompt("salty"))
+    same = chat(b.base_url, prompt("salty"), cache_salt="tenant-1")
+    assert from_store(other) == 0 and other["cached"] < PAGE_TOKENS * 2  # at most B's own template pages
+    assert from_store(unsalted) == 0
+    assert from_store(same) >= first["prompt_tokens"] // PAGE_TOKENS * PAGE_TOKENS - PAGE_TOKENS
+    assert other["text"] == unsalted["text"] == same["text"] == first["text"]
+
+
+def test_another_page_size_on_the_same_store_gets_no_hits(pair, store, tiny_model, tmp_path):
+    a, _ = pair
+    before = store.key_count()
+    first = chat(a.base_url, prompt("pagesize"))
+    wait_until_stored(store, before + first["prompt_tokens"] // PAGE_TOKENS)
+    with start_server(tiny_model, store, tmp_path / "c.log", page_size=2 * PAGE_TOKENS) as c:
+        again = chat(c.base_url, prompt("pagesize"))
+        assert metric(c.base_url, "sglang:hiradix_store_pages_total", op="found") == 0
+    assert again["cached"] == 0 and from_store(again) == 0 and again["text"] == first["text"]
+
+
+def answered_in_time(r: dict) -> dict:
+    assert r["latency_s"] < ANSWER_WITHIN_S, r
+    return r
+
+
+def test_store_faults_degrade_to_recompute_and_the_tier_comes_back(pair, store):
+    a, b = pair
+    # 1. The holder dies with A's pages in it: exists may still say "present", the GET misses,
+    #    B recomputes the right tokens.
+    before = store.key_count()
+    held = answered_in_time(chat(a.base_url, prompt("holder")))
+    wait_until_stored(store, before + held["prompt_tokens"] // PAGE_TOKENS)
+    store.kill_holder(0)
+    lost = answered_in_time(chat(b.base_url, prompt("holder")))
+    assert lost["text"] == held["text"] and from_store(lost) == 0
+    store.start_holder(0)
+    # 2. The master freezes (SIGSTOP): lookups and puts time out; requests run within their deadline.
+    store.freeze_master()
+    try:
+        frozen = [answered_in_time(chat(s.base_url, prompt(f"frozen{i}"))) for i, s in enumerate((a, b, a))]
+    finally:
+        store.thaw_master()
+    assert all(from_store(r) == 0 for r in frozen)
+    # 3. The master dies: puts fail until the tier switches off (one warning per server); the
+    #    servers keep serving from their own tiers.
+    store.kill_master()
+    dead = [answered_in_time(chat(a.base_url, prompt(f"dead{i}"))) for i in range(8)]
+    assert all(from_store(r) == 0 for r in dead)
+    deadline = time.monotonic() + 60
+    while metric(a.base_url, "sglang:hiradix_store_enabled") != 0 and time.monotonic() < deadline:
+        answered_in_time(chat(a.base_url, prompt(f"dead-more{time.monotonic()}")))
+    assert metric(a.base_url, "sglang:hiradix_store_enabled") == 0
+    assert a.log_text().count("cluster store switched off") == 1
+    # 4. The master comes back (its index is empty): after RETRY_S the tier is on again and a
+    #    turn routed to the other server hits from the store once more.
+    store.restart_master()
+    time.sleep(RETRY_S + 1.0)  # the servers' own retry timer (nothing to wait on from here)
+    deadline = time.monotonic() + 60
+    while True:
+        tag = f"back{int(time.monotonic() * 10)}"
+        first = answered_in_time(chat(a.base_url, prompt(tag)))
+        time.sleep(1.0)  # write-through PUT of A's pages
+        again = answered_in_time(chat(b.base_url, prompt(tag)))
+        if from_store(again) > 0 or time.monotonic() > deadline:
+            break
+    assert from_store(again) > 0 and again["text"] == first["text"]
+    assert metric(a.base_url, "sglang:hiradix_store_enabled") == 1

@@ -1,0 +1,99 @@
+"""StoreConfig (``--hiradix-store-config``), the object framing and the env a client gets.
+
+No Mooncake process is needed: these run without the wheel.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hiradix.tiers.store import StoreConfig, StoreConfigError
+from hiradix.tiers.store.framing import check_keys, key_id, pack_object_trailer, verify_object
+from hiradix.tiers.store.mooncake import mooncake_env
+
+FLAG = "--hiradix-store-config"
+MINIMAL = '{"master_server_address": "10.0.0.7:50051"}'
+
+
+def test_minimal_json_gets_the_documented_defaults():
+    config = StoreConfig.parse(MINIMAL, FLAG)
+    assert config.master_host_port == ("10.0.0.7", 50051)
+    assert (config.protocol, config.metadata_server, config.global_segment_bytes) == ("tcp", "P2PHANDSHAKE", 0)
+    assert config.rpc_timeout_ms == 1000 and config.rpc_timeout_s == 1.0
+    assert StoreConfig.parse(config.to_json(), FLAG) == config
+
+
+def test_a_json_file_path_is_read(tmp_path):
+    path = tmp_path / "store.json"
+    path.write_text(json.dumps({"master_server_address": "127.0.0.1:9", "protocol": "rdma", "device_name": "mlx5_0",
+                                "rpc_timeout_ms": 250, "local_hostname": "10.1.2.3"}))  # fmt: skip
+    config = StoreConfig.parse(str(path), FLAG)
+    assert (config.protocol, config.device_name, config.rpc_timeout_ms) == ("rdma", "mlx5_0", 250)
+
+
+@pytest.mark.parametrize(
+    "text, key_or_words",
+    [
+        ('{"master_server_address": "nohost"}', "master_server_address"),
+        ('{"master_server_address": "h:70000"}', "master_server_address"),
+        ('{"master_server_address": "h:1", "protocol": "udp"}', "protocol"),
+        ('{"master_server_address": "h:1", "rpc_timeout_ms": 0}', "rpc_timeout_ms"),
+        ('{"master_server_address": "h:1", "rpc_timeout_ms": 1.5}', "rpc_timeout_ms"),
+        ('{"master_server_address": "h:1", "rpc_timeout_ms": 100.0}', "rpc_timeout_ms"),
+        ('{"master_server_address": "h:1", "transfer_timeout_s": 0}', "transfer_timeout_s"),
+        ('{"master_server_address": "h:1", "setup_retries": true}', "setup_retries"),
+        ('{"master_server_address": "h:1", "tcp_connection_pool": 1}', "tcp_connection_pool"),
+        ('{"master_server_address": "h:1", "global_segment_bytes": -1}', "global_segment_bytes"),
+        ('{"master_server_address": "h:1", "local_buffer_bytes": "16MB"}', "local_buffer_bytes"),
+        ('{"master_server_address": "h:1", "local_hostname": " "}', "local_hostname"),
+        ('{"master_server_address": "h:1", "segment": 5}', "'segment'"),
+        ('{"protocol": "tcp"}', "missing key 'master_server_address'"),
+        ('{"master_server_address": ', "invalid JSON"),
+        ("[1, 2]", "JSON object"),
+        ("/nonexistent/store.json", "cannot read /nonexistent/store.json"),
+        ("", "must not be empty"),
+    ],
+)
+def test_bad_config_names_the_flag_and_the_key(text, key_or_words):
+    with pytest.raises(StoreConfigError) as err:
+        StoreConfig.parse(text, FLAG)
+    assert isinstance(err.value, ValueError)
+    assert str(err.value).startswith(FLAG) and key_or_words in str(err.value), str(err.value)
+
+
+def test_client_env_sets_the_deadlines_and_loopback_binding():
+    env = mooncake_env(StoreConfig.parse('{"master_server_address": "127.0.0.1:5", "rpc_timeout_ms": 300, '
+                                         '"transfer_timeout_s": 3, "setup_retries": 2}', FLAG))  # fmt: skip
+    assert env == {"MC_RPC_TIMEOUT_MS": "300", "MC_STORE_CLIENT_SETUP_RETRIES": "2", "MC_TCP_PROGRESS_TIMEOUT_SEC": "3",
+                   "MC_TCP_STATUS_TIMEOUT_SEC": "3", "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+                   "MC_TCP_ENABLE_CONNECTION_POOL": "0"}  # fmt: skip
+    pooled = StoreConfig.parse('{"master_server_address": "h:1", "tcp_connection_pool": true}', FLAG)
+    assert mooncake_env(pooled)["MC_TCP_ENABLE_CONNECTION_POOL"] == "1"
+    named = mooncake_env(StoreConfig("h:1", local_hostname="node7.cluster"))
+    assert "MC_TCP_BIND_ADDRESS" not in named  # a DNS name: Mooncake resolves it
+    assert mooncake_env(StoreConfig("h:1", local_hostname="localhost"))["MC_TCP_BIND_ADDRESS"] == "127.0.0.1"
+
+
+def test_object_framing_rejects_another_keys_object_and_any_flipped_byte():
+    payload = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
+    trailer = np.frombuffer(pack_object_trailer(payload, "a"), dtype=np.uint8)
+    assert verify_object(payload, trailer, "a") is None
+    assert verify_object(payload, trailer, "b") == "object of another key"
+    assert key_id("a") != key_id("b")
+    for index in (0, 2047, 4095):
+        bad = payload.copy()
+        bad[index] ^= 1
+        assert verify_object(bad, trailer, "a") == "checksum mismatch"
+    assert "payload length" in verify_object(payload[:-8], trailer, "a")
+    assert "trailer length" in verify_object(payload, trailer[:-1], "a")
+    assert "bad magic" in verify_object(payload, np.zeros_like(trailer), "a")
+
+
+def test_keys_are_checked():
+    check_keys(["a", "k" * 256], 2)
+    for keys, pages in ((["a"], 2), ([""], 1), (["k" * 257], 1), ([3], 1)):
+        with pytest.raises(ValueError):
+            check_keys(keys, pages)
