@@ -38,6 +38,7 @@ from bench.multiturn import (  # noqa: E402
     run_workload,
     write_records,
 )
+from bench.paired import PairedRecord  # noqa: E402
 from hiradix.testing.server import ServerProcess, ServerStartError, cpu_args, cpu_env, pick_free_port  # noqa: E402
 
 # ---------------------------------------------------------------- conversations
@@ -339,15 +340,19 @@ def test_nvme_is_sized_to_the_run_and_removed_after(tmp_path):
 def test_parse_args_quick_defaults_and_rejects_stray_options():
     args, passthrough = ab.parse_args(["--quick", "--hiradix-dram-gb", "3"])
     assert (args.model, args.sessions, args.turns, args.max_total_tokens) == ("models/tiny", 3, 3, 1024)
-    assert passthrough == ["--hiradix-dram-gb", "3"] and args.systems == "stock,hicache,lru,lookahead"
+    assert passthrough == ["--hiradix-dram-gb", "3"] and args.systems == "stock,ideal,hiradix,stock2"
+    assert args.repeats == 1 and args.session_rate is None and args.history == "own"
     args, _ = ab.parse_args(["--quick", "--sessions", "5"])
     assert args.sessions == 5 and args.max_message_chars == 300
     args, _ = ab.parse_args([])
-    assert (args.model, args.sessions, args.turns, args.max_tokens) == ("models/small", 8, 4, 8)
-    args, _ = ab.parse_args(["--max-tokens", "32", "--max-total-tokens", "4096"])
-    assert (args.max_tokens, args.max_total_tokens) == (32, 4096)  # explicit values win
+    assert (args.model, args.sessions, args.turns, args.max_tokens, args.repeats) == ("models/small", 8, 6, 32, 3)
+    assert (args.session_rate, args.think_time_s) == (1.0, 1.0)  # Poisson arrivals, think time
+    args, _ = ab.parse_args(["--answer-tokens", "48", "--max-total-tokens", "4096", "--repeats", "5"])
+    assert (args.max_tokens, args.max_total_tokens, args.repeats) == (48, 4096, 5)  # explicit values win
     with pytest.raises(SystemExit):
         ab.parse_args(["--bogus"])
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--repeats", "0"])
 
 
 def _record(session, turn, ids, ttft_s, cached, text="x"):
@@ -364,11 +369,11 @@ def test_identical_fraction_and_table():
     runs = [ab.SystemRun(ab.System("stock", ()), base, 1.0, 2.0, "l1"),
             ab.SystemRun(ab.System("hiradix", ()), other, 1.0, 2.0, "l2")]
     rows = ab.per_turn_summary(runs)
-    assert rows[1]["stock"]["mean_ttft_s"] == pytest.approx(0.4)
+    assert rows[1]["stock"]["median_ttft_s"] == pytest.approx(0.4)
     assert rows[1]["hiradix"]["mean_cached_tokens"] == pytest.approx(47.5)
     table = ab.format_table(runs)
     turn1 = next(line for line in table.splitlines() if line.strip().startswith("1 "))
-    assert "0.25" in turn1.split("|")[-1]  # ttft ratio 0.1 / 0.4
+    assert "0.25" in turn1.split("|")[-1]  # paired ttft ratio 0.1 / 0.4
     assert "2/3 (67%)" in table
 
 
@@ -484,14 +489,29 @@ def test_e2e_real_server_records_and_no_orphans(tiny_model, tmp_path):
 @pytest.mark.timeout(600)
 def test_e2e_ab_quick_stock(tiny_model, tmp_path, capsys):
     # a pool large enough for all three histories, so every later turn must hit the cache
-    code = ab.main(["--quick", "--systems", "stock", "--model", str(tiny_model), "--max-total-tokens", "4096",
+    code = ab.main(["--quick", "--systems", "stock,ideal,hiradix,stock2", "--model", str(tiny_model),
                     "--out-dir", str(tmp_path)])
     assert code == 0
-    records = read_records(tmp_path / "records.json")
-    assert len(records) == 9 and all(r.ok and r.system == "stock" for r in records)
-    assert all(r.cached_tokens > 0 for r in records if r.turn_index > 0)
-    assert (tmp_path / "ttft_by_turn.png").stat().st_size > 1000
+    records = read_records(tmp_path / "records.json", PairedRecord)
+    assert len(records) == 4 * 9 and all(r.ok for r in records)
+    by_system = {name: [r for r in records if r.system == name] for name in ("stock", "ideal", "hiradix", "stock2")}
+    assert all(len(rs) == 9 for rs in by_system.values())
+    # the ideal pool holds every history: each later turn reuses the whole previous prompt + its own answer
+    for r in by_system["ideal"]:
+        if r.turn_index > 0:
+            prev = next(p for p in by_system["ideal"] if (p.session_index, p.turn_index) == (r.session_index, r.turn_index - 1))
+            assert r.cached_tokens >= prev.prompt_tokens - 4
+    # paired: every (session, turn) went to all four systems in the same round, in four distinct positions
+    rounds = {(r.session_index, r.turn_index): set() for r in records}
+    for r in records:
+        rounds[(r.session_index, r.turn_index)].add((r.round_index, r.position))
+    assert all(len({rd for rd, _ in v}) == 1 and {p for _, p in v} == {0, 1, 2, 3} for v in rounds.values())
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert [row["turn_index"] for row in summary["per_turn"]] == [0, 1, 2]
+    assert summary["systems"]["ideal"]["max_total_tokens"] > 1024
+    assert summary["systems"]["stock"]["prefill_tokens_metrics"] == summary["systems"]["stock"]["prefill_tokens"]
+    assert (tmp_path / "ab_verdict.png").stat().st_size > 1000
     out = capsys.readouterr().out
-    assert "ttft_ms" in out and "token-identical" not in out  # one system: nothing to compare
+    verdicts = out[out.index("verdict ("):]
+    assert "hiradix vs stock, turns >= 2: TTFT " in verdicts and "hiradix vs ideal, turns >= 2" in verdicts
+    assert "A/A stock2 vs stock, turns >= 2: TTFT " in verdicts
+    assert "token-identical outputs stock2 vs stock: 9/9" in out
