@@ -99,8 +99,8 @@ def working_set_tokens(sessions: Sequence[Session], max_tokens: int,
     count = count_tokens or (lambda text: len(text.encode()))
     total = 0
     for session in sessions:
-        kept = [m for m in session.messages if not (own_answers and m["role"] == "assistant")]
-        total += sum(count(m["content"]) + TEMPLATE_TOKENS_PER_MESSAGE for m in kept)
+        total += sum((0 if own_answers and m["role"] == "assistant" else count(m["content"]))
+                     + TEMPLATE_TOKENS_PER_MESSAGE for m in session.messages)
         total += max_tokens * session.num_turns
     return total
 
