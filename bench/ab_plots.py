@@ -33,8 +33,11 @@ def plot_verdict(runs: Sequence, result: dict, png_path: Path) -> None:
     lo = np.array([c["ci"][0] for c in comps], dtype=float)
     hi = np.array([c["ci"][1] for c in comps], dtype=float)
     colors = ["silver" if c["kind"] == "aa" else "tab:green" if c["kind"] == "vs-ideal" else "tab:blue" for c in comps]
-    if len(comps):
-        ax_ratio.bar(x, mid, color=colors, yerr=np.nan_to_num(np.vstack([mid - lo, hi - mid])), capsize=5)
+    for i in range(len(comps)):
+        if np.isfinite(mid[i]):
+            ax_ratio.errorbar([x[i]], [mid[i]], yerr=[[mid[i] - lo[i]], [hi[i] - mid[i]]], fmt="o", color=colors[i],
+                              capsize=6, markersize=8)
+    if len(comps) and np.isfinite(mid).any():
         ax_ratio.set_yscale("log")
     ax_ratio.axhline(1.0, color="black", linewidth=0.8)
     ax_ratio.set_xticks(x, [f"{c['a']}\n/{c['b']}" for c in comps], fontsize=8)
@@ -58,7 +61,10 @@ def plot_verdict(runs: Sequence, result: dict, png_path: Path) -> None:
     ax_hist.set_xscale("log")
     ax_hist.set(title="server-side TTFT (SGLang histogram, all turns)", xlabel="TTFT (s, bucket bound)",
                 ylabel="share of requests <= bound")
-    ax_hist.legend(fontsize=8)
+    if ax_hist.lines:
+        ax_hist.legend(fontsize=8)
+    else:
+        ax_hist.text(0.5, 0.5, "no TTFT histogram in /metrics", ha="center", transform=ax_hist.transAxes)
     for ax in (ax_ratio, ax_prefill, ax_hist):
         ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -226,12 +226,11 @@ def verdict_lines(runs: Sequence[SystemRun]) -> list[str]:
     for c in comps:
         if c["kind"] == "aa":
             hw = half_width(c["median"], c["ci"])
-            state = (f"{BIASED}: its interval excludes 1.0, so the machine favoured one server; read the ratios "
-                     "above against it" if excludes_one(c["ci"]) else "unbiased (interval contains 1.0)")
+            state = (f"{BIASED}: its interval excludes 1.0, so the machine favoured one server; read the other "
+                     "ratios against it" if excludes_one(c["ci"]) else "unbiased (interval contains 1.0)")
             hw_text = f", half-width {hw:.0%}" if hw is not None else ""
-            lines.append(f"A/A {c['a']} vs {c['b']}, turns >= {LATER_TURN}: TTFT {format_ratio(c)}: {state}{hw_text}")
-        elif c["kind"] == "vs-baseline":
-            lines.append(f"{c['a']} vs {c['b']}, turns >= {LATER_TURN}: TTFT {format_ratio(c)} (n={c['n']})")
+            lines.append(f"A/A {c['a']} vs {c['b']}, turns >= {LATER_TURN}: TTFT {format_ratio(c)} "
+                         f"(n={c['n']}{hw_text}): {state}")
         else:
             lines.append(f"{c['a']} vs {c['b']}, turns >= {LATER_TURN}: TTFT {format_ratio(c)} (n={c['n']})")
     ideal = by_name.get(IDEAL)

@@ -144,7 +144,7 @@ def test_verdict_lines_read_at_a_glance():
     assert "hiradix vs ideal, turns >= 2: TTFT 1.20x [1.20, 1.20] (n=24)" in lines
     assert "ideal vs stock, turns >= 2: TTFT 0.25x [0.25, 0.25] (n=24)" in lines
     aa = next(line for line in lines if line.startswith("A/A"))
-    assert aa.startswith("A/A stock2 vs stock, turns >= 2: TTFT 1.00x [1.00, 1.00]: unbiased")
+    assert aa == "A/A stock2 vs stock, turns >= 2: TTFT 1.00x [1.00, 1.00] (n=24, half-width 0%): unbiased (interval contains 1.0)"
     # per session and repeat: prompts 100+200+300+400, cached 0+70+140+210 (hiradix), 0+75+150+225 (ideal)
     assert "hiradix prefill tokens computed: 6960 vs ideal 6600 (1.05x)" in lines
     assert not any(line.startswith(("stock2 prefill", "stock prefill")) for line in lines)
