@@ -271,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             repeats.append(run_repeat(systems, repeat, str(model_path), args.max_total_tokens, sessions, config,
                                       run_dir, args.startup_timeout_s))
             logger.info("repeat %d done after %.0f s", repeat, time.perf_counter() - t0)
-            remove_tier_files(run_dir)  # a fresh server gets fresh tiers
+            remove_tier_files(run_dir, keep_dirs=True)  # a fresh server gets empty tiers
     finally:
         if not args.keep_tier_files:
             remove_tier_files(run_dir)

@@ -146,13 +146,16 @@ def nvme_gb_for_run(nvme_gb: float | None, sessions: Sequence[Session], max_toke
     return gb, f"{gb:g} GB: 1.5 x the run's working set (<= {need / 1e6:.1f} MB of KV; DRAM {dram_bytes / 1e6:.1f} MB)"
 
 
-def remove_tier_files(run_dir: Path) -> int:
-    """Remove the NVMe and HiCache file directories of a run; returns the bytes they held."""
+def remove_tier_files(run_dir: Path, keep_dirs: bool = False) -> int:
+    """Remove the NVMe and HiCache file directories of a run (``keep_dirs``: only what they
+    hold, so the next repetition's servers start on empty tiers); returns the bytes they held."""
     removed = 0
     for path in sorted(run_dir.glob("nvme-*")) + sorted(run_dir.glob("hicache-*")):
         if path.is_dir() and not path.is_symlink():
             removed += sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
             shutil.rmtree(path)
+            if keep_dirs:
+                path.mkdir(mode=0o700)
     return removed
 
 

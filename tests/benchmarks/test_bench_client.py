@@ -263,6 +263,11 @@ def test_nvme_is_sized_to_the_run_and_removed_after(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "f").write_bytes(b"1" * 1000)
     (tmp_path / "records.json").write_text("[]")
+    assert ab.remove_tier_files(tmp_path, keep_dirs=True) == 2000  # between repeats: emptied, kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hicache-hicache", "nvme-lru", "records.json"]
+    assert not any((tmp_path / "nvme-lru").iterdir())
+    for name in ("nvme-lru", "hicache-hicache"):
+        (tmp_path / name / "f").write_bytes(b"1" * 1000)
     assert ab.remove_tier_files(tmp_path) == 2000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["records.json"]
 
