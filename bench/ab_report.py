@@ -36,6 +36,7 @@ TARGET_VS_IDEAL = 1.10
 TARGET_VS_STOCK = 0.25
 TARGET_PREFILL_OF_IDEAL = 0.05
 BIASED = "BIASED RUN"
+NOISY = "NOISY RUN"
 
 
 @dataclass
@@ -226,8 +227,14 @@ def verdict_lines(runs: Sequence[SystemRun]) -> list[str]:
     for c in comps:
         if c["kind"] == "aa":
             hw = half_width(c["median"], c["ci"])
-            state = (f"{BIASED}: its interval excludes 1.0, so the machine favoured one server; read the other "
-                     "ratios against it" if excludes_one(c["ci"]) else "unbiased (interval contains 1.0)")
+            if excludes_one(c["ci"]):
+                state = (f"{BIASED}: its interval excludes 1.0, so the machine favoured one server; read the other "
+                         "ratios against it")
+            elif hw is None or hw > TARGET_AA_HALF_WIDTH:
+                state = (f"{NOISY}: the interval contains 1.0 but is wider than +-{TARGET_AA_HALF_WIDTH:.0%}; "
+                         "smaller differences are not resolved by this run")
+            else:
+                state = "unbiased (interval contains 1.0)"
             hw_text = f", half-width {hw:.0%}" if hw is not None else ""
             lines.append(f"A/A {c['a']} vs {c['b']}, turns >= {LATER_TURN}: TTFT {format_ratio(c)} "
                          f"(n={c['n']}{hw_text}): {state}")

@@ -157,6 +157,11 @@ def test_biased_run_is_flagged_in_table_and_verdict():
     assert len(repeat_lines) == 2 and all("BIASED RUN" in line for line in repeat_lines)
     aa = next(line for line in ab_report.verdict_lines(runs) if line.startswith("A/A"))
     assert "BIASED RUN" in aa and "1.40x" in aa
+    noisy = _runs(factor_aa=1.0)
+    for i, r in enumerate(noisy[3].records):  # stock2: 0.5x or 1.6x stock, alternately
+        r.ttft_s *= 0.5 if i % 2 else 1.6
+    aa = next(line for line in ab_report.verdict_lines(noisy) if line.startswith("A/A"))
+    assert "NOISY RUN" in aa and "BIASED" not in aa
     fair = ab_report.format_table(_runs(factor_aa=1.0))
     assert "BIASED RUN" not in fair
     met = {t["target"]: t["met"] for t in ab_report.targets(_runs(factor_aa=1.0))}
