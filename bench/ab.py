@@ -231,7 +231,7 @@ def prepare(args: argparse.Namespace, hiradix_args: Sequence[str], run_dir: Path
                                    int(args.dram_ratio * device_bytes), counter, own)
     if any("--enable-hiradix" in s.server_args for s in systems):
         logger.info("hiradix NVMe tier: %s", why)
-    ideal_pool = ideal_pool_tokens(working_set_tokens(sessions, args.max_tokens, counter, own))
+    ideal_pool = max(args.max_total_tokens, ideal_pool_tokens(working_set_tokens(sessions, args.max_tokens, counter, own)))
     systems = with_ideal_pool(with_tier_sizes(systems, args.dram_ratio, nvme_gb, device_bytes, run_dir), ideal_pool)
     workload = workload_config_from_args(args, ignore_eos=not args.stop_at_eos, progress=False,
                                          session_rate_per_s=args.session_rate or None)

@@ -442,7 +442,9 @@ def test_e2e_ab_quick_stock(tiny_model, tmp_path, capsys):
         rounds[(r.session_index, r.turn_index)].add((r.round_index, r.position))
     assert all(len({rd for rd, _ in v}) == 1 and {p for _, p in v} == {0, 1, 2, 3} for v in rounds.values())
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["systems"]["ideal"]["max_total_tokens"] > 1024
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert summary["systems"]["ideal"]["max_total_tokens"] == config["ideal_pool_tokens"] >= 1024
+    assert summary["systems"]["stock"]["max_total_tokens"] is None  # stock: the run's 1024-token pool
     assert summary["systems"]["stock"]["prefill_tokens_metrics"] == summary["systems"]["stock"]["prefill_tokens"]
     assert (tmp_path / "ab_verdict.png").stat().st_size > 1000
     out = capsys.readouterr().out
