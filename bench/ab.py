@@ -79,12 +79,20 @@ QUICK_DEFAULTS = {"model": "models/tiny", "sessions": 3, "turns": 3, "max_total_
                   "think_time_s": 0.0}
 
 
-def warm_up(base_url: str, config: WorkloadConfig) -> None:
-    """One unrelated short request so lazy initialisation does not land in turn 0's TTFT."""
-    warm = Session("warmup", ({"role": "user", "content": "Warm-up: say hello."},), "synthetic")
-    records = run_workload(base_url, [warm], config, system="warmup", progress=False)
-    if not records[0].ok:
-        raise RuntimeError(f"warm-up request failed: {records[0].error}")
+def warm_up(base_url: str, config: WorkloadConfig, batch: int = 1) -> None:
+    """`batch` unrelated short requests at once, so lazy initialisation (of a batch of that size
+    too) does not land in the first measured round.
+
+    Raises:
+        RuntimeError: If a warm-up request fails.
+    """
+    warm = [Session(f"warmup{i}", ({"role": "user", "content": f"Warm-up {i}: say hello."},), "synthetic")
+            for i in range(max(1, batch))]
+    records = run_workload(base_url, warm, config, system="warmup", progress=False,
+                           max_concurrent_sessions=len(warm), session_rate_per_s=None, think_time_s=0.0)
+    failed = [r.error for r in records if not r.ok]
+    if failed:
+        raise RuntimeError(f"warm-up request failed: {failed[0]}")
 
 
 def check_fits(sessions: Sequence[Session], answer_tokens: int, pool_tokens: int, count_tokens,
@@ -134,7 +142,7 @@ def run_repeat(systems: Sequence[System], repeat: int, model_path: str, pool_tok
         servers = start_servers(stack, systems, model_path, pool_tokens, run_dir, repeat, startup_timeout_s)
         before = {}
         for name, server in servers.items():
-            warm_up(server.base_url, config.workload)
+            warm_up(server.base_url, config.workload, config.concurrency)
             before[name] = server_metrics.parse_snapshot(server_metrics.fetch_metrics(server.base_url))
         order = [s.name for s in systems]
         order = order[repeat % len(order):] + order[: repeat % len(order)]  # round 0's order moves too
