@@ -4,7 +4,8 @@ Every figure is over the requests of all repetitions; a request is keyed by
 (repeat, session, turn) and was sent to every system in the same round (`bench.paired`).
 
     paired TTFT ratio of system A to B: per request TTFT_A / TTFT_B; its median and the 95%
-        percentile-bootstrap interval of that median (`bench.stats.paired_ratio_ci`), over the
+        percentile-bootstrap interval of that median (`bench.stats.paired_ratio_ci`; whole
+        (repeat, session) groups resampled, as a session's turns are not independent), over the
         requests of turns >= 2 (0-based turn index: every turn with two earlier answers);
     A/A: a duplicate system (`stock2`) against its original; a run (or a repetition) whose A/A
         interval excludes 1.0 is a "biased run": read the other ratios against it;
@@ -28,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 from bench import server_metrics
 from bench.ab_systems import IDEAL, System
 from bench.multiturn import RequestRecord, write_records
-from bench.stats import excludes_one, half_width, paired_ratio_ci, paired_ratios
+from bench.stats import excludes_one, half_width, paired_ratio_ci, paired_ratio_items
 
 LATER_TURN = 2  # "turns >= 2"
 TARGET_AA_HALF_WIDTH = 0.10
@@ -83,9 +84,10 @@ def compare(a: SystemRun, b: SystemRun, keep: Callable[[RequestRecord], bool] | 
     """Paired TTFT ratio a/b: `{"n", "median", "ci": [lo, hi]}` over the requests `keep` selects
     (default: turns >= 2)."""
     keep = keep or (lambda r: r.turn_index >= LATER_TURN)
-    ratios = paired_ratios(_ttfts(a.records, keep), _ttfts(b.records, keep))
-    median, lo, hi = paired_ratio_ci(ratios)
-    return {"a": a.system.name, "b": b.system.name, "n": len(ratios), "median": median, "ci": [lo, hi]}
+    items = paired_ratio_items(_ttfts(a.records, keep), _ttfts(b.records, keep))
+    # sessions are resampled whole: a session's turns share its history, so they are not independent
+    median, lo, hi = paired_ratio_ci([r for _, r in items], groups=[key[:2] for key, _ in items])
+    return {"a": a.system.name, "b": b.system.name, "n": len(items), "median": median, "ci": [lo, hi]}
 
 
 def comparisons(runs: Sequence[SystemRun]) -> list[dict]:

@@ -2,7 +2,7 @@
 
 Used by `bench.cluster_report` (unpaired cells: each side resampled on its own) and by
 `bench.ab_report` (paired: the same request sent to every system, so a ratio is taken per
-request and its median bootstrapped). Intervals are percentile bootstrap intervals (Efron &
+request and its median bootstrapped, whole sessions at a time). Intervals are percentile bootstrap intervals (Efron &
 Tibshirani, "An Introduction to the Bootstrap", ch. 13), `RESAMPLES` resamples, seeded, so the
 same values always give the same interval.
 """
@@ -49,25 +49,47 @@ def ratio_ci(numerator: Sequence[float], denominator: Sequence[float], resamples
 def paired_ratios(numerator: dict, denominator: dict) -> list[float]:
     """Per-key ratios `numerator[k] / denominator[k]` over the keys both have (sorted keys;
     None and non-positive denominators dropped). Keys are e.g. (repeat, session, turn)."""
+    return [ratio for _, ratio in paired_ratio_items(numerator, denominator)]
+
+
+def paired_ratio_items(numerator: dict, denominator: dict) -> list[tuple]:
+    """`(key, ratio)` pairs of `paired_ratios`, in the same order."""
     out = []
     for key in sorted(set(numerator) & set(denominator)):
         a, b = numerator[key], denominator[key]
         if a is not None and b is not None and b > 0:
-            out.append(a / b)
+            out.append((key, a / b))
     return out
 
 
-def paired_ratio_ci(ratios: Sequence[float], resamples: int = RESAMPLES, level: float = LEVEL,
-                    seed: int = 0) -> tuple[float, float, float]:
-    """Median of per-request paired ratios and its bootstrap interval (requests resampled).
+def paired_ratio_ci(ratios: Sequence[float], groups: Optional[Sequence] = None, resamples: int = RESAMPLES,
+                    level: float = LEVEL, seed: int = 0) -> tuple[float, float, float]:
+    """Median of per-request paired ratios and its bootstrap interval.
+
+    Args:
+        ratios: One paired ratio per request.
+        groups: Optional group of each ratio (e.g. its (repeat, session)): then whole groups are
+            resampled (a cluster bootstrap), since the turns of one session are not independent;
+            None resamples requests.
 
     Returns:
         (median, low, high); NaNs if `ratios` is empty.
     """
     if len(ratios) == 0:
         return math.nan, math.nan, math.nan
-    lo, hi = bootstrap_ci(ratios, resamples=resamples, level=level, seed=seed)
-    return float(np.median(np.asarray(ratios, dtype=float))), lo, hi
+    median = float(np.median(np.asarray(ratios, dtype=float)))
+    if groups is None:
+        lo, hi = bootstrap_ci(ratios, resamples=resamples, level=level, seed=seed)
+        return median, lo, hi
+    blocks: dict = {}
+    for ratio, group in zip(ratios, groups):
+        blocks.setdefault(group, []).append(ratio)
+    arrays = [np.asarray(b, dtype=float) for b in blocks.values()]
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(arrays), size=(resamples, len(arrays)))
+    stats = np.array([np.median(np.concatenate([arrays[i] for i in row])) for row in picks])
+    tail = (1.0 - level) / 2 * 100
+    return median, float(np.percentile(stats, tail)), float(np.percentile(stats, 100 - tail))
 
 
 def excludes_one(interval: Sequence[float]) -> bool:

@@ -34,6 +34,15 @@ def test_paired_ratio_ci_median_and_interval():
     narrow = stats.paired_ratio_ci([0.4, 0.5, 0.6, 0.7, 0.8] * 200)
     assert narrow[2] - narrow[1] < wide[2] - wide[1]  # more requests, a narrower interval
     assert all(math.isnan(x) for x in stats.paired_ratio_ci([]))
+    # four sessions, each with ten equal ratios: resampling requests sees 40 independent values,
+    # resampling sessions sees four, so its interval must be wider
+    values = [0.4] * 10 + [0.8] * 10 + [1.2] * 10 + [1.6] * 10
+    groups = [i // 10 for i in range(40)]
+    by_request = stats.paired_ratio_ci(values)
+    by_session = stats.paired_ratio_ci(values, groups)
+    assert by_session[0] == by_request[0] == pytest.approx(1.0)
+    assert by_session[2] - by_session[1] > by_request[2] - by_request[1]
+    assert by_session[1] >= 0.4 and by_session[2] <= 1.6
 
 
 def test_paired_ratios_match_keys_and_skip_missing():
@@ -158,8 +167,8 @@ def test_biased_run_is_flagged_in_table_and_verdict():
     aa = next(line for line in ab_report.verdict_lines(runs) if line.startswith("A/A"))
     assert "BIASED RUN" in aa and "1.40x" in aa
     noisy = _runs(factor_aa=1.0)
-    for i, r in enumerate(noisy[3].records):  # stock2: 0.5x or 1.6x stock, alternately
-        r.ttft_s *= 0.5 if i % 2 else 1.6
+    for r in noisy[3].records:  # stock2: 0.5x stock in odd sessions, 1.6x in even ones
+        r.ttft_s *= 0.5 if r.session_index % 2 else 1.6
     aa = next(line for line in ab_report.verdict_lines(noisy) if line.startswith("A/A"))
     assert "NOISY RUN" in aa and "BIASED" not in aa
     fair = ab_report.format_table(_runs(factor_aa=1.0))
