@@ -147,8 +147,14 @@ def run_repeat(systems: Sequence[System], repeat: int, model_path: str, pool_tok
         order = [s.name for s in systems]
         order = order[repeat % len(order):] + order[: repeat % len(order)]  # round 0's order moves too
         t0 = time.perf_counter()
+        total = sum(s.num_turns for s in sessions)
+
+        def progress(round_index: int, done: int) -> None:
+            logger.info("repeat %d round %d: %d/%d requests per system done (%.0f s)", repeat, round_index, done,
+                        total, time.perf_counter() - t0)
+
         records = asyncio.run(run_paired({n: servers[n].base_url for n in order}, sessions,
-                                         dataclasses.replace(config, repeat=repeat)))
+                                         dataclasses.replace(config, repeat=repeat), progress))
         workload_s = time.perf_counter() - t0
         info = {}
         for name, server in servers.items():

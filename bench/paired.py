@@ -28,7 +28,7 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import aiohttp
 
@@ -98,9 +98,10 @@ async def _send(http: aiohttp.ClientSession, url: str, model: str, system: str, 
 
 
 async def run_paired(urls: dict[str, str], sessions: Sequence[Session], config: PairedConfig,
-                     progress: Optional[callable] = None) -> list[PairedRecord]:
+                     progress: Optional[Callable[[int, int], None]] = None) -> list[PairedRecord]:
     """Drive one repetition: every request to every system (`urls`: system name -> base URL,
-    in the order of round 0). Returns all records, in send order; errors are in the records."""
+    in the order of round 0). Returns all records, in send order; errors are in the records.
+    `progress(round_index, requests_done_per_system)` is called after each round."""
     names = list(urls)
     wl = config.workload
     timeout = aiohttp.ClientTimeout(total=wl.request_timeout_s)
@@ -128,6 +129,6 @@ async def run_paired(urls: dict[str, str], sessions: Sequence[Session], config: 
                 states[i].next_turn += 1
                 states[i].ready_at_s = end + think_time_s(wl.think_time_s, wl.seed, i, states[i].next_turn)
             if progress is not None:
-                progress(len(batch))
+                progress(round_index, sum(st.next_turn for st in states))
             round_index += 1
     return records

@@ -105,9 +105,11 @@ def test_run_paired_sends_each_request_to_every_system_with_its_own_history():
     config = PairedConfig(WorkloadConfig(max_tokens=4, progress=False), concurrency=2, own_answers=True)
     with FakeChatServer(("alpha",)) as a, FakeChatServer(("beta", " beta")) as b:
         urls = {"A": f"http://127.0.0.1:{a.port}", "B": f"http://127.0.0.1:{b.port}"}
-        records = asyncio.run(run_paired(urls, sessions, config))
+        calls = []
+        records = asyncio.run(run_paired(urls, sessions, config, lambda rnd, done: calls.append((rnd, done))))
     assert len(records) == 18 and all(r.ok for r in records)
-    # rounds of 2, 2, 2, 2, 1 requests... each (session, turn) in one round, A and B in both positions
+    assert calls == [(0, 2), (1, 4), (2, 6), (3, 8), (4, 9)]  # rounds of 2 (the concurrency), then the last one
+    # each (session, turn) in one round, A and B in both positions
     by_key: dict = {}
     for r in records:
         by_key.setdefault((r.session_index, r.turn_index), []).append(r)
