@@ -195,9 +195,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out-dir", default=None, help="default runs/<timestamp>")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     add_workload_args(parser)
+    helps = {"sessions": "number of sessions (default 8; --quick 3)", "turns": "user turns per session (default 6; --quick 3)",
+             "think_time_s": "mean of the exponential think time between turns, s (default 1; --quick 0)",
+             "session_rate": "Poisson session arrivals per second (default 1; 0: all at once; --quick: all at once)",
+             "concurrency": "requests per round: sessions in flight at each system (default 4)"}
     for action in parser._actions:  # these defaults depend on --quick
         if action.dest in FULL_DEFAULTS:
             action.default = None
+        if action.dest in helps and action.option_strings != ["--answer-tokens"]:
+            action.help = helps[action.dest]
     return parser
 
 
