@@ -2,8 +2,8 @@
 
 A system is a name plus extra server flags (and, for `ideal`, its own device pool). Built-in
 names (`BUILTIN_SYSTEMS`): `stock` (RadixAttention), `ideal` (stock RadixAttention whose device
-pool holds the run's whole working set: the limit any prefix cache can reach; its
-`--max-total-tokens` is `ideal_pool_tokens`), `hicache` (stock SGLang HiCache with its `file`
+pool holds the run's whole working set: the limit any prefix cache of 16-token pages, hiradix's
+default page size, can reach; its `--max-total-tokens` is `ideal_pool_tokens`), `hicache` (stock SGLang HiCache with its `file`
 storage backend), `lru` and `lookahead` (hiradix with that policy), `hiradix` (hiradix
 defaults). A built-in name followed by digits is a duplicate (`stock2` = `stock`): the A/A
 control. HiCache and hiradix get the same DRAM size (`with_tier_sizes`).
@@ -30,7 +30,9 @@ BUILTIN_SYSTEMS: dict[str, tuple[str, ...]] = {
     "lru": ("--enable-hiradix", "--hiradix-policy", "lru"),
     "lookahead": ("--enable-hiradix", "--hiradix-policy", "lookahead"),
     "hiradix": ("--enable-hiradix",),  # the defaults (policy lookahead)
-    "ideal": (),  # stock RadixAttention; its pool is sized to the working set (`ideal_pool_tokens`)
+    # Stock RadixAttention at hiradix's page size (16: pages are its unit of transfer), so it caches
+    # the same whole pages a tiered cache can; its pool is sized to the working set (`ideal_pool_tokens`).
+    "ideal": ("--page-size", "16"),
 }  # fmt: skip
 IDEAL = "ideal"
 DEFAULT_SYSTEMS = "stock,ideal,hiradix,stock2"
