@@ -7,8 +7,8 @@ smaller than the working set), `--page-size 16` and, where there is one, the sam
     stock     stock RadixAttention: each server only has its own HBM cache (no sharing possible)
     hicache   stock SGLang HiCache + Mooncake Store: host pool `--hicache-ratio` x the HBM pool,
               L3 = the store (`hiradix.testing.mooncake.hicache_mooncake_args`; patch p05 on CPU)
-    hiradix   hiradix defaults + `--hiradix-store mooncake`: `--hiradix-dram-ratio` = HiCache's
-              `--hicache-ratio`: the same bytes as HiCache's host pool (`bench.ab.with_tier_sizes`); no NVMe unless `--nvme-gb`
+    hiradix   hiradix defaults + `--hiradix-store mooncake`: `--hiradix-dram-ratio` = the same bytes
+              as HiCache's host pool (`bench.ab_systems.with_tier_sizes`); no NVMe unless `--nvme-gb`
     stock-aa  stock again, sticky only, run first: the A/A control of this run's noise
     ideal     computed, not run: one infinite cache shared by both servers. Per request: the
               longest prefix its prompt shares with any earlier prompt of the workload, in whole

@@ -22,16 +22,16 @@ import math
 import re
 import statistics
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from bench.ab import identical_fraction
 from bench.multiturn import write_records
+from bench.stats import bootstrap_ci, ratio_ci
 
 TIERS = ("device", "host", "nvme", "store")
 SYSTEM_COLORS = {"stock": "tab:gray", "stock-aa": "silver", "hicache": "tab:orange", "hiradix": "tab:blue"}
-RESAMPLES = 2000
 TARGET_RANDOM_OF_STICKY = 0.90
 _PAIR = re.compile(r"\s*([A-Za-z0-9_.-]+)\s*=\s*(\d+)\s*$")
 
@@ -55,34 +55,6 @@ def split_storage(storage_tokens: Optional[int], label: Optional[str]) -> tuple[
     if label and "nvme" in label.lower():
         return storage_tokens, 0
     return 0, storage_tokens
-
-
-def bootstrap_ci(values: Sequence[float], statistic: Callable = np.median, resamples: int = RESAMPLES,
-                 level: float = 0.95, seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of `statistic` over `values` (NaNs if there are none)."""
-    data = np.asarray([v for v in values if v is not None], dtype=float)
-    if data.size == 0:
-        return math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    stats = statistic(rng.choice(data, size=(resamples, data.size), replace=True), axis=1)
-    tail = (1.0 - level) / 2 * 100
-    return float(np.percentile(stats, tail)), float(np.percentile(stats, 100 - tail))
-
-
-def ratio_ci(numerator: Sequence[float], denominator: Sequence[float], resamples: int = RESAMPLES,
-             level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
-    """median(numerator) / median(denominator) and its bootstrap interval (each side resampled
-    on its own: the samples are not paired). NaNs if either side is empty."""
-    a = np.asarray(numerator, dtype=float)
-    b = np.asarray(denominator, dtype=float)
-    if a.size == 0 or b.size == 0:
-        return math.nan, math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    ra = np.median(rng.choice(a, size=(resamples, a.size)), axis=1)
-    rb = np.median(rng.choice(b, size=(resamples, b.size)), axis=1)
-    tail = (1.0 - level) / 2 * 100
-    ratios = ra / rb
-    return float(np.median(a) / np.median(b)), float(np.percentile(ratios, tail)), float(np.percentile(ratios, 100 - tail))
 
 
 def _later_ttfts(records) -> list[float]:

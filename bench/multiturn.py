@@ -358,9 +358,9 @@ def write_records(records: Iterable[RequestRecord], json_path: str | Path | None
                 writer.writerow(row)
 
 
-def read_records(json_path: str | Path) -> list[RequestRecord]:
-    """Load records written by `write_records` (JSON)."""
-    return [RequestRecord(**row) for row in json.loads(Path(json_path).read_text())]
+def read_records(json_path: str | Path, record_type: type = RequestRecord) -> list:
+    """Load records written by `write_records` (JSON) as `record_type` (a `RequestRecord` subclass)."""
+    return [record_type(**row) for row in json.loads(Path(json_path).read_text())]
 
 
 def summarize(records: Sequence[RequestRecord]) -> str:

@@ -6,13 +6,10 @@ Fast tests use a fake OpenAI-style server (aiohttp, SGLang-shaped SSE chunks) an
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
-import os
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -38,7 +35,9 @@ from bench.multiturn import (  # noqa: E402
     run_workload,
     write_records,
 )
-from hiradix.testing.server import ServerProcess, ServerStartError, cpu_args, cpu_env, pick_free_port  # noqa: E402
+from bench.paired import PairedRecord  # noqa: E402
+from hiradix.testing.server import ServerProcess, ServerStartError, cpu_args, cpu_env  # noqa: E402
+from tests.helpers.fake_chat import FakeChatServer  # noqa: E402
 
 # ---------------------------------------------------------------- conversations
 
@@ -162,74 +161,6 @@ def test_poisson_arrivals_are_seeded_and_increasing():
 # ---------------------------------------------------------------- client against a fake server
 
 
-class FakeChatServer:
-    """An aiohttp server streaming SGLang-shaped chunks; cached tokens = longest seen prefix."""
-
-    def __init__(self):
-        self.port = pick_free_port()
-        self.requests: list[dict] = []  # bodies, in arrival order
-        self.events: list[tuple[str, str, int]] = []  # ("start"|"end", first user text, n messages)
-        self.seen_prompts: list[str] = []
-
-    async def handle_models(self, request):
-        from aiohttp import web
-
-        return web.json_response({"data": [{"id": "fake-model"}]})
-
-    async def handle_chat(self, request):
-        from aiohttp import web
-
-        body = await request.json()
-        self.requests.append(body)
-        key = (body["messages"][0]["content"], len(body["messages"]))
-        self.events.append(("start", *key))
-        prompt = json.dumps(body["messages"])[:-1]  # drop "]" so history is a prefix
-        cached = max((len(os.path.commonprefix([p, prompt])) for p in self.seen_prompts), default=0)
-        self.seen_prompts.append(prompt)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-
-        async def send(obj):
-            await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
-
-        await send({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
-        await asyncio.sleep(0.02)
-        for word in ("ok", " fine"):
-            await send({"choices": [{"index": 0, "delta": {"content": word}}]})
-        await send({"choices": [], "sglext": {"cached_tokens_details": {"device": cached, "host": 0}}})
-        await send({"choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": 2,
-                                             "prompt_tokens_details": {"cached_tokens": cached}}})
-        await resp.write(b"data: [DONE]\n\n")
-        self.events.append(("end", *key))
-        return resp
-
-    def __enter__(self):
-        from aiohttp import web
-
-        ready = threading.Event()
-
-        def serve():
-            self.loop = asyncio.new_event_loop()
-            app = web.Application()
-            app.router.add_get("/v1/models", self.handle_models)
-            app.router.add_post("/v1/chat/completions", self.handle_chat)
-            self.runner = web.AppRunner(app)
-            self.loop.run_until_complete(self.runner.setup())
-            self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
-            ready.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=serve, daemon=True)
-        self.thread.start()
-        assert ready.wait(10)
-        return self
-
-    def __exit__(self, *exc):
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
 def test_run_workload_against_fake_server_orders_turns(tmp_path):
     sessions = synthetic_sessions(3, 3, seed=0, max_message_chars=60)
     with FakeChatServer() as server:
@@ -332,6 +263,11 @@ def test_nvme_is_sized_to_the_run_and_removed_after(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "f").write_bytes(b"1" * 1000)
     (tmp_path / "records.json").write_text("[]")
+    assert ab.remove_tier_files(tmp_path, keep_dirs=True) == 2000  # between repeats: emptied, kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hicache-hicache", "nvme-lru", "records.json"]
+    assert not any((tmp_path / "nvme-lru").iterdir())
+    for name in ("nvme-lru", "hicache-hicache"):
+        (tmp_path / name / "f").write_bytes(b"1" * 1000)
     assert ab.remove_tier_files(tmp_path) == 2000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["records.json"]
 
@@ -339,15 +275,19 @@ def test_nvme_is_sized_to_the_run_and_removed_after(tmp_path):
 def test_parse_args_quick_defaults_and_rejects_stray_options():
     args, passthrough = ab.parse_args(["--quick", "--hiradix-dram-gb", "3"])
     assert (args.model, args.sessions, args.turns, args.max_total_tokens) == ("models/tiny", 3, 3, 1024)
-    assert passthrough == ["--hiradix-dram-gb", "3"] and args.systems == "stock,hicache,lru,lookahead"
+    assert passthrough == ["--hiradix-dram-gb", "3"] and args.systems == "stock,ideal,hiradix,stock2"
+    assert args.repeats == 1 and args.session_rate is None and args.history == "own"
     args, _ = ab.parse_args(["--quick", "--sessions", "5"])
     assert args.sessions == 5 and args.max_message_chars == 300
     args, _ = ab.parse_args([])
-    assert (args.model, args.sessions, args.turns, args.max_tokens) == ("models/small", 8, 4, 8)
-    args, _ = ab.parse_args(["--max-tokens", "32", "--max-total-tokens", "4096"])
-    assert (args.max_tokens, args.max_total_tokens) == (32, 4096)  # explicit values win
+    assert (args.model, args.sessions, args.turns, args.max_tokens, args.repeats) == ("models/small", 8, 6, 32, 3)
+    assert (args.session_rate, args.think_time_s) == (1.0, 1.0)  # Poisson arrivals, think time
+    args, _ = ab.parse_args(["--answer-tokens", "48", "--max-total-tokens", "4096", "--repeats", "5"])
+    assert (args.max_tokens, args.max_total_tokens, args.repeats) == (48, 4096, 5)  # explicit values win
     with pytest.raises(SystemExit):
         ab.parse_args(["--bogus"])
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--repeats", "0"])
 
 
 def _record(session, turn, ids, ttft_s, cached, text="x"):
@@ -364,11 +304,11 @@ def test_identical_fraction_and_table():
     runs = [ab.SystemRun(ab.System("stock", ()), base, 1.0, 2.0, "l1"),
             ab.SystemRun(ab.System("hiradix", ()), other, 1.0, 2.0, "l2")]
     rows = ab.per_turn_summary(runs)
-    assert rows[1]["stock"]["mean_ttft_s"] == pytest.approx(0.4)
+    assert rows[1]["stock"]["median_ttft_s"] == pytest.approx(0.4)
     assert rows[1]["hiradix"]["mean_cached_tokens"] == pytest.approx(47.5)
     table = ab.format_table(runs)
     turn1 = next(line for line in table.splitlines() if line.strip().startswith("1 "))
-    assert "0.25" in turn1.split("|")[-1]  # ttft ratio 0.1 / 0.4
+    assert "0.25" in turn1.split("|")[-1]  # paired ttft ratio 0.1 / 0.4
     assert "2/3 (67%)" in table
 
 
@@ -484,14 +424,31 @@ def test_e2e_real_server_records_and_no_orphans(tiny_model, tmp_path):
 @pytest.mark.timeout(600)
 def test_e2e_ab_quick_stock(tiny_model, tmp_path, capsys):
     # a pool large enough for all three histories, so every later turn must hit the cache
-    code = ab.main(["--quick", "--systems", "stock", "--model", str(tiny_model), "--max-total-tokens", "4096",
+    code = ab.main(["--quick", "--systems", "stock,ideal,hiradix,stock2", "--model", str(tiny_model),
                     "--out-dir", str(tmp_path)])
     assert code == 0
-    records = read_records(tmp_path / "records.json")
-    assert len(records) == 9 and all(r.ok and r.system == "stock" for r in records)
-    assert all(r.cached_tokens > 0 for r in records if r.turn_index > 0)
-    assert (tmp_path / "ttft_by_turn.png").stat().st_size > 1000
+    records = read_records(tmp_path / "records.json", PairedRecord)
+    assert len(records) == 4 * 9 and all(r.ok for r in records)
+    by_system = {name: [r for r in records if r.system == name] for name in ("stock", "ideal", "hiradix", "stock2")}
+    assert all(len(rs) == 9 for rs in by_system.values())
+    # the ideal pool holds every history: each later turn reuses the whole previous prompt + its own answer
+    for r in by_system["ideal"]:
+        if r.turn_index > 0:
+            prev = next(p for p in by_system["ideal"] if (p.session_index, p.turn_index) == (r.session_index, r.turn_index - 1))
+            assert r.cached_tokens >= prev.prompt_tokens - 4 - 15 and r.cached_tokens % 16 == 0  # whole pages of 16
+    # paired: every (session, turn) went to all four systems in the same round, in four distinct positions
+    rounds = {(r.session_index, r.turn_index): set() for r in records}
+    for r in records:
+        rounds[(r.session_index, r.turn_index)].add((r.round_index, r.position))
+    assert all(len({rd for rd, _ in v}) == 1 and {p for _, p in v} == {0, 1, 2, 3} for v in rounds.values())
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert [row["turn_index"] for row in summary["per_turn"]] == [0, 1, 2]
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert summary["systems"]["ideal"]["max_total_tokens"] == config["ideal_pool_tokens"] >= 1024
+    assert summary["systems"]["stock"]["max_total_tokens"] is None  # stock: the run's 1024-token pool
+    assert summary["systems"]["stock"]["prefill_tokens_metrics"] == summary["systems"]["stock"]["prefill_tokens"]
+    assert (tmp_path / "ab_verdict.png").stat().st_size > 1000
     out = capsys.readouterr().out
-    assert "ttft_ms" in out and "token-identical" not in out  # one system: nothing to compare
+    verdicts = out[out.index("verdict ("):]
+    assert "hiradix vs stock, turns >= 2: TTFT " in verdicts and "hiradix vs ideal, turns >= 2" in verdicts
+    assert "A/A stock2 vs stock, turns >= 2: TTFT " in verdicts
+    assert "token-identical outputs stock2 vs stock: 9/9" in out

@@ -106,8 +106,9 @@ def test_systems_get_the_same_pool_and_dram_bytes(tmp_path):
         assert args[args.index("--max-total-tokens") + 1] == "1024" and args[args.index("--page-size") + 1] == "16"
     stock, hicache, hiradix = (flags[n][0] for n in ("stock", "hicache", "hiradix"))
     assert not any(a.startswith(("--hicache", "--hiradix", "--enable-hi")) for a in stock)
-    assert hicache[hicache.index("--hicache-ratio") + 1] == "2.0"  # host pool = 2 x the HBM pool's bytes
-    assert float(hiradix[hiradix.index("--hiradix-dram-ratio") + 1]) == 2.0  # the same bytes of DRAM
+    assert hicache[hicache.index("--hicache-ratio") + 1] == "2.0"
+    # the same ratio of the same 1024-token device pool as HiCache's host pool: the same DRAM bytes
+    assert hiradix[hiradix.index("--hiradix-dram-ratio") + 1] == "2" and "--hiradix-dram-gb" not in hiradix
     assert store.master_address in hicache[hicache.index("--hicache-storage-backend-extra-config") + 1]
     assert json.loads(hiradix[hiradix.index("--hiradix-store-config") + 1])["master_server_address"] == store.master_address
     assert flags["hicache"][1]["SGLANG_HICACHE_MOONCAKE_REUSE_TE"] == "0"

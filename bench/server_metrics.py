@@ -1,0 +1,101 @@
+"""Figures from SGLang's `/metrics` (Prometheus text) that noise cannot hide, per server.
+
+SGLang 0.5.23 (`sglang/srt/metrics/collector.py`) counts, per finished request:
+`sglang:prompt_tokens_total` (prompt tokens) and `sglang:cached_tokens_total{cache_source=...}`
+(prompt tokens served by the prefix cache, by tier), so the prefill tokens computed are their
+difference; and it keeps the server-side TTFT histogram `sglang:time_to_first_token_seconds`
+(buckets `le` in seconds). `snapshot` reads those; `delta` subtracts two snapshots (after the
+warm-up and after the workload) so only the measured requests count.
+"""
+
+from __future__ import annotations
+
+import math
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from prometheus_client.parser import text_string_to_metric_families
+
+TTFT_HISTOGRAM = "sglang:time_to_first_token_seconds"
+
+
+@dataclass
+class MetricsSnapshot:
+    """Counters of one server at one time (tokens; TTFT bucket counts keyed by `le` in seconds)."""
+
+    prompt_tokens: float = 0.0
+    cached_tokens: float = 0.0
+    ttft_buckets: dict = field(default_factory=dict)  # le (s, inf for +Inf) -> cumulative count
+    available: bool = False  # False: /metrics did not answer or lacked the counters
+
+    @property
+    def prefill_tokens(self) -> float:
+        """Prompt tokens the server computed (prompt - cached)."""
+        return self.prompt_tokens - self.cached_tokens
+
+
+def fetch_metrics(base_url: str, timeout_s: float = 10.0) -> str:
+    """The server's Prometheus text from `GET /metrics`, or "" if it does not answer in time."""
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=timeout_s) as resp:
+            return resp.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def parse_snapshot(text: str) -> MetricsSnapshot:
+    """Sum the counters over all label sets (streaming and not, every tier) of one `/metrics` text."""
+    snap = MetricsSnapshot()
+    if not text:
+        return snap
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "sglang:prompt_tokens_total":
+                snap.prompt_tokens += sample.value
+                snap.available = True
+            elif sample.name == "sglang:cached_tokens_total":
+                snap.cached_tokens += sample.value
+            elif sample.name == TTFT_HISTOGRAM + "_bucket":
+                le = float(sample.labels["le"])
+                snap.ttft_buckets[le] = snap.ttft_buckets.get(le, 0.0) + sample.value
+    return snap
+
+
+def delta(after: MetricsSnapshot, before: MetricsSnapshot) -> MetricsSnapshot:
+    """`after - before`, counter by counter (available only if both are)."""
+    return MetricsSnapshot(
+        after.prompt_tokens - before.prompt_tokens,
+        after.cached_tokens - before.cached_tokens,
+        {le: n - before.ttft_buckets.get(le, 0.0) for le, n in after.ttft_buckets.items()},
+        after.available and before.available,
+    )
+
+
+def total(snapshots: Sequence[MetricsSnapshot]) -> MetricsSnapshot:
+    """The sum of several deltas (e.g. one per repetition)."""
+    out = MetricsSnapshot(available=bool(snapshots) and all(s.available for s in snapshots))
+    for s in snapshots:
+        out.prompt_tokens += s.prompt_tokens
+        out.cached_tokens += s.cached_tokens
+        for le, n in s.ttft_buckets.items():
+            out.ttft_buckets[le] = out.ttft_buckets.get(le, 0.0) + n
+    return out
+
+
+def histogram_quantile(buckets: dict, q: float) -> float:
+    """The q-quantile (0..1) of a cumulative histogram, linear within a bucket (as PromQL's
+    `histogram_quantile`); NaN if empty; the last finite bound if it falls in `+Inf`."""
+    bounds = sorted(buckets)
+    if not bounds or buckets[bounds[-1]] <= 0:
+        return math.nan
+    rank = q * buckets[bounds[-1]]
+    prev_le, prev_n = 0.0, 0.0
+    for le in bounds:
+        n = buckets[le]
+        if n >= rank:
+            if math.isinf(le):
+                return prev_le
+            return prev_le + (le - prev_le) * ((rank - prev_n) / (n - prev_n) if n > prev_n else 0.0)
+        prev_le, prev_n = le, n
+    return prev_le

@@ -1,0 +1,220 @@
+"""Fast tests of the paired A/B pieces: bootstrap intervals, the rotated paired schedule, the
+model's-own-answer history, the biased-run flag, verdict lines, `/metrics` figures."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench import ab, ab_report, server_metrics, stats  # noqa: E402
+from bench.conversations import Session, synthetic_sessions  # noqa: E402
+from bench.multiturn import WorkloadConfig  # noqa: E402
+from bench.paired import PairedConfig, PairedRecord, next_batch, rotation, run_paired, think_time_s  # noqa: E402
+from tests.helpers.fake_chat import FakeChatServer  # noqa: E402
+
+# ---------------------------------------------------------------- statistics
+
+
+def test_paired_ratio_ci_median_and_interval():
+    ratios = [0.5] * 10 + [0.6] * 10 + [0.7] * 10
+    median, lo, hi = stats.paired_ratio_ci(ratios)
+    assert median == pytest.approx(0.6)
+    assert 0.5 <= lo <= 0.6 <= hi <= 0.7
+    assert (median, lo, hi) == stats.paired_ratio_ci(ratios)  # seeded: reproducible
+    assert stats.paired_ratio_ci([0.3] * 20) == (0.3, 0.3, 0.3)  # no spread, no width
+    wide = stats.paired_ratio_ci([0.4, 0.5, 0.6, 0.7, 0.8] * 2)
+    narrow = stats.paired_ratio_ci([0.4, 0.5, 0.6, 0.7, 0.8] * 200)
+    assert narrow[2] - narrow[1] < wide[2] - wide[1]  # more requests, a narrower interval
+    assert all(math.isnan(x) for x in stats.paired_ratio_ci([]))
+    # four sessions, each with ten equal ratios: resampling requests sees 40 independent values,
+    # resampling sessions sees four, so its interval must be wider
+    values = [0.4] * 10 + [0.8] * 10 + [1.2] * 10 + [1.6] * 10
+    groups = [i // 10 for i in range(40)]
+    by_request = stats.paired_ratio_ci(values)
+    by_session = stats.paired_ratio_ci(values, groups)
+    assert by_session[0] == by_request[0] == pytest.approx(1.0)
+    assert by_session[2] - by_session[1] > by_request[2] - by_request[1]
+    assert by_session[1] >= 0.4 and by_session[2] <= 1.6
+
+
+def test_paired_ratios_match_keys_and_skip_missing():
+    a = {(0, 0, 2): 1.0, (0, 1, 2): 3.0, (0, 2, 2): None, (1, 0, 2): 2.0}
+    b = {(0, 0, 2): 2.0, (0, 1, 2): 1.0, (0, 2, 2): 1.0, (1, 0, 2): 0.0, (9, 9, 9): 1.0}
+    assert stats.paired_ratios(a, b) == [0.5, 3.0]  # sorted keys; None and 0 denominators dropped
+
+
+def test_excludes_one_and_half_width():
+    assert stats.excludes_one((1.02, 1.3)) and stats.excludes_one((0.5, 0.99))
+    assert not stats.excludes_one((0.95, 1.05)) and not stats.excludes_one((math.nan, 2.0))
+    assert stats.half_width(1.0, (0.94, 1.08)) == pytest.approx(0.08)
+    assert stats.half_width(math.nan, (0.9, 1.1)) is None
+
+
+# ---------------------------------------------------------------- paired schedule
+
+
+def test_rotation_puts_every_system_in_every_position_once():
+    names = ["stock", "ideal", "hiradix", "stock2"]
+    orders = [rotation(names, r) for r in range(4)]
+    assert orders[0] == names and orders[1] == ["ideal", "hiradix", "stock2", "stock"]
+    for position in range(4):
+        assert sorted(order[position] for order in orders) == sorted(names)
+    assert rotation(names, 5) == orders[1]
+
+
+def test_next_batch_takes_ready_sessions_earliest_first():
+    from bench.paired import _SessionState
+
+    sessions = synthetic_sessions(4, 2, seed=0, max_message_chars=20)
+    states = [_SessionState(ready_at_s=t) for t in (3.0, 0.5, 0.0, 9.0)]
+    states[2].next_turn = 2  # finished
+    assert next_batch(states, sessions, now_s=4.0, concurrency=4) == [1, 0]
+    assert next_batch(states, sessions, now_s=4.0, concurrency=1) == [1]
+    assert next_batch(states, sessions, now_s=0.1, concurrency=4) == []
+
+
+def test_think_time_is_seeded_exponential():
+    assert think_time_s(0.0, 0, 1, 1) == 0.0
+    draws = [think_time_s(2.0, 7, s, 1) for s in range(2000)]
+    assert draws[:3] == [think_time_s(2.0, 7, s, 1) for s in range(3)]
+    assert sum(draws) / len(draws) == pytest.approx(2.0, rel=0.1) and min(draws) > 0
+
+
+def test_own_answer_history_replaces_the_dataset_answers():
+    session = Session("s", ({"role": "user", "content": "u0"}, {"role": "assistant", "content": "d0"},
+                            {"role": "user", "content": "u1"}, {"role": "assistant", "content": "d1"},
+                            {"role": "user", "content": "u2"}), "synthetic")
+    own = session.prompt_messages(2, ["a0", "a1"])
+    assert [m["content"] for m in own] == ["u0", "a0", "u1", "a1", "u2"]
+    assert [m["content"] for m in session.prompt_messages(2)] == ["u0", "d0", "u1", "d1", "u2"]
+    assert session.messages[1]["content"] == "d0"  # the session itself is untouched
+    with pytest.raises(ValueError, match="previous answers"):
+        session.prompt_messages(2, ["a0"])
+
+
+def test_run_paired_sends_each_request_to_every_system_with_its_own_history():
+    sessions = synthetic_sessions(3, 3, seed=1, max_message_chars=40)
+    config = PairedConfig(WorkloadConfig(max_tokens=4, progress=False), concurrency=2, own_answers=True)
+    with FakeChatServer(("alpha",)) as a, FakeChatServer(("beta", " beta")) as b:
+        urls = {"A": f"http://127.0.0.1:{a.port}", "B": f"http://127.0.0.1:{b.port}"}
+        calls = []
+        records = asyncio.run(run_paired(urls, sessions, config, lambda rnd, done: calls.append((rnd, done))))
+    assert len(records) == 18 and all(r.ok for r in records)
+    assert calls == [(0, 2), (1, 4), (2, 6), (3, 8), (4, 9)]  # rounds of 2 (the concurrency), then the last one
+    # each (session, turn) in one round, A and B in both positions
+    by_key: dict = {}
+    for r in records:
+        by_key.setdefault((r.session_index, r.turn_index), []).append(r)
+    for key, pair in by_key.items():
+        assert sorted(r.system for r in pair) == ["A", "B"] and len({r.round_index for r in pair}) == 1
+        assert {r.position for r in pair} == {0, 1}
+    first = {r.round_index: r.system for r in records if r.position == 0}
+    assert first[0] == "A" and first[1] == "B" and first[2] == "A"  # rotated per round
+    # the history sent to each server carries that server's own answers, never the dataset's
+    later_a = [body for body in a.requests if len(body["messages"]) == 5]
+    later_b = [body for body in b.requests if len(body["messages"]) == 5]
+    assert len(later_a) == len(later_b) == 3
+    assert all(m["content"] == "alpha" for body in later_a for m in body["messages"] if m["role"] == "assistant")
+    assert all(m["content"] == "beta beta" for body in later_b for m in body["messages"] if m["role"] == "assistant")
+
+
+# ---------------------------------------------------------------- report
+
+
+def _runs(factor_aa: float, factor_hiradix: float = 0.3, factor_ideal: float = 0.25, repeats: int = 2,
+          jitter: bool = True) -> list[ab_report.SystemRun]:
+    names = {"stock": 1.0, "ideal": factor_ideal, "hiradix": factor_hiradix, "stock2": factor_aa}
+    runs = []
+    for name, factor in names.items():
+        records = []
+        for rep in range(repeats):
+            for s in range(6):
+                for t in range(4):
+                    base = 1.0 + 0.1 * s + 0.2 * t
+                    wiggle = (1 + 0.02 * ((s + t + rep) % 3 - 1)) if jitter and name != "stock" else 1.0
+                    records.append(PairedRecord(name, f"s{s}", s, t, ttft_s=base * factor * wiggle,
+                                                prompt_tokens=100 * (t + 1), cached_tokens=int(100 * t * (1 - factor) + 0.5),
+                                                output_token_ids=[1, 2], repeat=rep))
+        system = ab.System(name, ("--enable-hiradix",) if name == "hiradix" else (),
+                           duplicate_of="stock" if name == "stock2" else None)
+        runs.append(ab_report.SystemRun(system, records, 1.0, 2.0, "log"))
+    return runs
+
+
+def test_verdict_lines_read_at_a_glance():
+    lines = ab_report.verdict_lines(_runs(factor_aa=1.0, jitter=False))
+    assert "hiradix vs stock, turns >= 2: TTFT 0.30x [0.30, 0.30] (n=24)" in lines
+    assert "hiradix vs ideal, turns >= 2: TTFT 1.20x [1.20, 1.20] (n=24)" in lines
+    assert "ideal vs stock, turns >= 2: TTFT 0.25x [0.25, 0.25] (n=24)" in lines
+    aa = next(line for line in lines if line.startswith("A/A"))
+    assert aa == "A/A stock2 vs stock, turns >= 2: TTFT 1.00x [1.00, 1.00] (n=24, half-width 0%): unbiased (interval contains 1.0)"
+    # per session and repeat: prompts 100+200+300+400, cached 0+70+140+210 (hiradix), 0+75+150+225 (ideal)
+    assert "hiradix prefill tokens computed: 6960 vs ideal 6600 (1.05x)" in lines
+    assert not any(line.startswith(("stock2 prefill", "stock prefill")) for line in lines)
+
+
+def test_biased_run_is_flagged_in_table_and_verdict():
+    runs = _runs(factor_aa=1.4)
+    table = ab_report.format_table(runs)
+    repeat_lines = [line for line in table.splitlines() if line.strip().startswith("repeat ")]
+    assert len(repeat_lines) == 2 and all("BIASED RUN" in line for line in repeat_lines)
+    aa = next(line for line in ab_report.verdict_lines(runs) if line.startswith("A/A"))
+    assert "BIASED RUN" in aa and "1.40x" in aa
+    noisy = _runs(factor_aa=1.0)
+    for r in noisy[3].records:  # stock2: 0.5x stock in odd sessions, 1.6x in even ones
+        r.ttft_s *= 0.5 if r.session_index % 2 else 1.6
+    aa = next(line for line in ab_report.verdict_lines(noisy) if line.startswith("A/A"))
+    assert "NOISY RUN" in aa and "BIASED" not in aa
+    fair = ab_report.format_table(_runs(factor_aa=1.0))
+    assert "BIASED RUN" not in fair
+    met = {t["target"]: t["met"] for t in ab_report.targets(_runs(factor_aa=1.0))}
+    assert met["A/A stock2/stock contains 1.0, half-width <= 10%"] is True
+    assert met["hiradix vs ideal <= 1.1x"] is False and met["hiradix vs stock <= 0.25x"] is False
+
+
+METRICS_TEXT = """# TYPE sglang:prompt_tokens_total counter
+sglang:prompt_tokens_total{is_streaming="false"} 11.0
+sglang:prompt_tokens_total{is_streaming="true"} 989.0
+# TYPE sglang:cached_tokens_total counter
+sglang:cached_tokens_total{cache_source="device"} 300.0
+sglang:cached_tokens_total{cache_source="host"} 100.0
+# TYPE sglang:time_to_first_token_seconds histogram
+sglang:time_to_first_token_seconds_bucket{le="0.1"} 0.0
+sglang:time_to_first_token_seconds_bucket{le="0.2"} 4.0
+sglang:time_to_first_token_seconds_bucket{le="0.4"} 8.0
+sglang:time_to_first_token_seconds_bucket{le="+Inf"} 10.0
+sglang:time_to_first_token_seconds_count 10.0
+sglang:time_to_first_token_seconds_sum 2.5
+"""
+
+
+def test_metrics_snapshot_delta_and_histogram_median():
+    after = server_metrics.parse_snapshot(METRICS_TEXT)
+    assert (after.prompt_tokens, after.cached_tokens, after.prefill_tokens) == (1000.0, 400.0, 600.0)
+    before = server_metrics.MetricsSnapshot(100.0, 50.0, {0.1: 0.0, 0.2: 1.0, 0.4: 1.0, math.inf: 1.0}, True)
+    d = server_metrics.delta(after, before)
+    assert d.prefill_tokens == 550.0 and d.ttft_buckets[math.inf] == 9.0 and d.available
+    assert server_metrics.histogram_quantile(after.ttft_buckets, 0.5) == pytest.approx(0.25)  # 5th of 10 in (0.2, 0.4]
+    assert server_metrics.histogram_quantile(after.ttft_buckets, 1.0) == pytest.approx(0.4)  # +Inf: last bound
+    assert math.isnan(server_metrics.histogram_quantile({}, 0.5))
+    assert not server_metrics.parse_snapshot("").available
+
+
+def test_ideal_pool_holds_the_working_set():
+    sessions = synthetic_sessions(2, 3, seed=0, max_message_chars=100)
+    own = ab.working_set_tokens(sessions, 32, lambda text: 10, own_answers=True)
+    assert own == 2 * (3 * (10 + ab.TEMPLATE_TOKENS_PER_MESSAGE) + 2 * ab.TEMPLATE_TOKENS_PER_MESSAGE + 3 * 32)
+    assert ab.ideal_pool_tokens(own) >= own * 1.25 and ab.ideal_pool_tokens(own) % 1024 == 0
+    systems = ab.with_ideal_pool(ab.resolve_systems("stock,ideal,stock2", [], [], []), 8192)
+    assert [(s.name, s.max_total_tokens, s.duplicate_of) for s in systems] == [
+        ("stock", None, None), ("ideal", 8192, None), ("stock2", None, "stock")]
+    with pytest.raises(ValueError, match="--max-total-tokens"):
+        ab.check_fits(sessions, 32, 50, lambda text: 10, own_answers=True)
