@@ -142,7 +142,7 @@ def dram_bytes_of(config: Any, layout: KVLayout, device_pages: int) -> int:
         available = psutil.virtual_memory().available
         if dram_bytes > available:
             raise HiRadixConfigError(
-                f"{flag} x the device pool ({device_bytes / 1e9:.2f} GB) needs {dram_bytes / 1e9:.2f} GB of RAM "
+                f"{flag} x the device pool ({device_bytes} bytes) needs {dram_bytes / 1e9:.2f} GB of RAM "
                 f"but only {available / 1e9:.2f} GB is available"
             )
         logger.info("hiradix: DRAM tier %s x the device pool (%d bytes) = %d bytes", flag, device_bytes, dram_bytes)

@@ -149,12 +149,41 @@ def refuse_tiers_below_one_page(config: HiRadixConfig, hf_config: dict, server_a
                                      str(getattr(server_args, "dtype", "auto")), getattr(server_args, "kv_cache_dtype", None))
     if page_bytes is None:
         return
-    if config.dram_ratio == 0 and config.dram_bytes < page_bytes:  # a ratio is checked in the scheduler
+    if config.dram_ratio:
+        refuse_dram_ratio(config, page_bytes, page_size, server_args)
+    elif config.dram_bytes < page_bytes:
         refuse(f"{FLAG_OF_FIELD['dram_bytes']} {config.dram_bytes / 1e9:g} ({config.dram_bytes} bytes) holds no KV page "
                f"of this model ({page_bytes} bytes per page of {page_size} tokens)")
     if 0 < config.nvme_bytes < slot_bytes_for(page_bytes):
         refuse(f"{FLAG_OF_FIELD['nvme_bytes']} {config.nvme_bytes / 1e9:g} ({config.nvme_bytes} bytes) holds no KV page "
                f"of this model ({slot_bytes_for(page_bytes)} bytes per slot)")
+
+
+def refuse_dram_ratio(config: HiRadixConfig, page_bytes: int, page_size: int, server_args: Any) -> None:
+    """Refuse a ``--hiradix-dram-ratio`` that holds no page or needs more RAM than is free, when
+    ``--max-total-tokens`` fixes the device pool before the model loads (otherwise the pool is
+    sized by SGLang's memory profiling and the scheduler checks the ratio: ``dram_bytes_of``).
+
+    ``page_bytes`` is one rank's page; the RAM needed counts every scheduler on this node.
+    """
+    import psutil
+
+    max_total_tokens = getattr(server_args, "max_total_tokens", None)
+    if not max_total_tokens:
+        return
+    device_bytes = (int(max_total_tokens) // page_size) * page_bytes
+    dram_bytes = config.dram_bytes_for(device_bytes)
+    flag = f"{FLAG_OF_FIELD['dram_ratio']} {config.dram_ratio:g}"
+    pool = f"the device pool (--max-total-tokens {max_total_tokens}: {device_bytes} bytes)"
+    if dram_bytes < page_bytes:
+        refuse(f"{flag} x {pool} holds no KV page of this model ({page_bytes} bytes per page of {page_size} tokens)")
+    ranks = int(getattr(server_args, "tp_size", 1) or 1) * int(getattr(server_args, "dp_size", 1) or 1)
+    ranks = max(1, ranks // max(1, int(getattr(server_args, "nnodes", 1) or 1)))  # schedulers on this node
+    available = psutil.virtual_memory().available
+    if dram_bytes * ranks > available:
+        times = f" x {ranks} ranks" if ranks > 1 else ""
+        refuse(f"{flag} x {pool}{times} needs {dram_bytes * ranks / 1e9:.2f} GB of RAM but only "
+               f"{available / 1e9:.2f} GB is available")
 
 
 def unsupported_build_context(ctx: Any) -> str | None:

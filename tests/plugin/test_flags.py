@@ -513,6 +513,21 @@ def test_dram_ratio_flag(monkeypatch, llama_dir):
                           "--hiradix-dram-gb", "1"], monkeypatch)
 
 
+def test_dram_ratio_is_checked_before_the_model_loads_when_the_pool_is_given(monkeypatch, llama_dir):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    base = ["--model-path", str(llama_dir), "--enable-hiradix", "--max-total-tokens", "2048"]
+    with pytest.raises(refusals.HiRadixRefusal, match=r"--hiradix-dram-ratio 0.0001 x the device pool "
+                       r"\(--max-total-tokens 2048: \d+ bytes\) holds no KV page of this model"):
+        parse_in_process(base + ["--hiradix-dram-ratio", "0.0001"], monkeypatch)
+    with pytest.raises(refusals.HiRadixRefusal, match=r"--hiradix-dram-ratio 1e\+07 x the device pool .* needs "
+                       r"[\d.]+ GB of RAM but only [\d.]+ GB is available"):
+        parse_in_process(base + ["--hiradix-dram-ratio", "1e7"], monkeypatch)
+    assert parse_in_process(base + ["--hiradix-dram-ratio", "2"], monkeypatch)._hiradix_config.dram_ratio == 2
+    # without --max-total-tokens the pool is sized by SGLang's profiling: the scheduler checks the ratio
+    unsized = ["--model-path", str(llama_dir), "--enable-hiradix", "--hiradix-dram-ratio", "0.0001"]
+    assert parse_in_process(unsized, monkeypatch)._hiradix_config.dram_ratio == 0.0001
+
+
 def test_explicit_page_size_is_kept(monkeypatch, llama_dir):
     monkeypatch.delenv(ENV_VAR, raising=False)
     args = parse_in_process(
