@@ -500,7 +500,6 @@ def run_scenario(
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Command line: the trace, scenarios, outputs, and one flag per :class:`SimConfig` field."""
-    d = SimConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL trace")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
@@ -516,6 +515,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="--sweep: policy whose NVMe worth (DRAM d + NVMe n vs DRAM d+n alone) is measured; '' = none")
     p.add_argument("--out-dir", type=Path, default=None, help="where JSON and PNG go (default runs/simulate-<time>)")
     p.add_argument("--jobs", type=int, default=2, help="scenarios simulated in parallel (processes)")
+    add_sim_config_args(p)
+    return p.parse_args(argv)
+
+
+def add_sim_config_args(p: argparse.ArgumentParser) -> None:
+    """One flag per :class:`SimConfig` field (``--hbm-tokens``, ...; numbers accept ``1e6``)."""
+    d = SimConfig()
     for f in dataclasses.fields(SimConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type == "bool":
@@ -523,7 +529,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         else:
             kind = int if f.type == "int" else float
             p.add_argument(flag, type=lambda s, k=kind: k(float(s)), default=getattr(d, f.name))
-    return p.parse_args(argv)
+
+
+def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
+    """The :class:`SimConfig` of the flags :func:`add_sim_config_args` added."""
+    return SimConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SimConfig)})
 
 
 def run_all(trace: Sequence[TraceRequest], cfg: SimConfig, scenarios: Sequence[tuple[str, str]], jobs: int) -> list[dict]:
@@ -558,7 +568,7 @@ def run_all(trace: Sequence[TraceRequest], cfg: SimConfig, scenarios: Sequence[t
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Replay the trace on every scenario; print the table, write JSON + PNG; returns 0."""
     args = parse_args(argv)
-    cfg = SimConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SimConfig)})
+    cfg = sim_config_from_args(args)
     trace = load_trace(args.trace, args.limit)
     for policy in args.policies.split(","):
         make_policy(policy)  # raises ValueError listing the supported names

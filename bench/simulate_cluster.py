@@ -39,7 +39,17 @@ from typing import Optional, Sequence
 if __package__ in (None, ""):  # run as a script: make `hiradix` and `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.simulate import DEFAULT_TRACE, TIERS, Engine, SimConfig, TraceRequest, infinite_hit_rates, load_trace  # noqa: E402
+from bench.simulate import (  # noqa: E402
+    DEFAULT_TRACE,
+    TIERS,
+    Engine,
+    SimConfig,
+    TraceRequest,
+    add_sim_config_args,
+    infinite_hit_rates,
+    load_trace,
+    sim_config_from_args,
+)
 from hiradix.testing.sim_ports import SimClock, SimStore  # noqa: E402
 
 ROUTINGS = ("sticky", "random")
@@ -169,7 +179,6 @@ def plot(results: Sequence[dict], infinite: dict, path: Path) -> None:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    d = SimConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL trace")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
@@ -179,15 +188,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--store-tokens", type=lambda s: int(float(s)), default=None, help="store capacity (LRU); default: unbounded")
     p.add_argument("--seed", type=int, default=0, help="random routing's seed")
     p.add_argument("--out-dir", type=Path, default=None, help="where JSON and PNG go")
-    for name in ("hbm_tokens", "dram_tokens", "nvme_tokens", "page_size"):
-        p.add_argument("--" + name.replace("_", "-"), type=lambda s: int(float(s)), default=getattr(d, name))
+    add_sim_config_args(p)
     return p.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    cfg = dataclasses.replace(SimConfig(), hbm_tokens=args.hbm_tokens, dram_tokens=args.dram_tokens,
-                              nvme_tokens=args.nvme_tokens, page_size=args.page_size)
+    cfg = sim_config_from_args(args)
     trace = load_trace(args.trace, args.limit)
     infinite = infinite_hit_rates(trace, cfg.page_size)
     scenarios = default_scenarios([int(n) for n in args.instances.split(",")])
