@@ -52,13 +52,6 @@ def start_server(model: Path, store: MooncakeCluster, log: Path, page_size: int 
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    with MooncakeCluster(num_holders=1, holder_segment_bytes=256 << 20,
-                         log_dir=tmp_path_factory.mktemp("mooncake")) as cluster:  # fmt: skip
-        yield cluster
-
-
-@pytest.fixture(scope="module")
 def pair(tiny_model, store, tmp_path_factory):
     logs = tmp_path_factory.mktemp("cluster")
     servers = [start_server(tiny_model, store, logs / f"{name}.log") for name in "ab"]

@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 
-from hiradix.testing.mooncake import MooncakeCluster, hicache_mooncake_args, hicache_mooncake_env
+from hiradix.testing.mooncake import hicache_mooncake_args, hicache_mooncake_env
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
 from tests.helpers.e2e import metric
 from tests.helpers.store import requires_mooncake
@@ -31,13 +31,6 @@ pytestmark = [pytest.mark.e2e, requires_mooncake]
 PAGE_TOKENS = 16
 PROMPT_PAGES = 40
 NEW_TOKENS = 16
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    with MooncakeCluster(num_holders=1, holder_segment_bytes=256 << 20,
-                         log_dir=tmp_path_factory.mktemp("mooncake")) as cluster:  # fmt: skip
-        yield cluster
 
 
 @pytest.fixture(scope="module")
