@@ -231,6 +231,9 @@ def store_pages(
     device = k_buffers[0].device
     slots = token_slots.to(device=device, dtype=torch.int64)
     dram = _dram_pages(dram_tensor, layout)
+    if device.type == "cpu":  # no device staging: gather each layer's rows and scatter them into DRAM
+        _store_pages_from_host(k_buffers, v_buffers, slots, dram, ids, layout)
+        return
     chunk_pages = max(1, STAGING_BYTES_MAX // layout.page_bytes)
     for start in range(0, num_pages, chunk_pages):
         stop = min(start + chunk_pages, num_pages)
@@ -264,6 +267,22 @@ def _check_store_args(
         _check_device_buffer(k_buffers[layer], layout, f"k_buffers[{layer}]")
         _check_device_buffer(v_buffers[layer], layout, f"v_buffers[{layer}]")
     return ids
+
+
+def _store_pages_from_host(
+    k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], slots: torch.Tensor,
+    dram: torch.Tensor, ids: torch.Tensor, layout: KVLayout,
+) -> None:
+    """HBM -> DRAM when the device pool is host memory (CPU): two copies per byte (the row
+    gather, the page scatter) instead of three through a staging buffer.
+
+    ``dram``: ``(N, L, E)`` (page-major) or ``(L, N, E)``, ``E = 2 * ps*H*D`` (K then V)."""
+    count = ids.numel()
+    width = layout.page_size * layout.num_kv_heads * layout.head_dim  # elements of K (or V) of one page
+    for layer in range(layout.num_layers):
+        pages = dram[:, layer] if layout.page_major else dram[layer]  # (N, E)
+        pages[:, :width].index_copy_(0, ids, _rows(k_buffers[layer]).index_select(0, slots).view(count, width))
+        pages[:, width:].index_copy_(0, ids, _rows(v_buffers[layer]).index_select(0, slots).view(count, width))
 
 
 def _gather_device(
