@@ -209,7 +209,8 @@ def store_pages(
     Page ``page_ids[i]`` of every layer receives the tokens at
     ``token_slots[i*ps:(i+1)*ps]``. The device rows are gathered into a device staging
     buffer in the DRAM order, moved to the host in one copy per chunk (at most
-    ``STAGING_BYTES_MAX`` bytes), and scattered into ``dram_tensor`` with ``index_copy_``.
+    ``STAGING_BYTES_MAX`` bytes), and scattered into ``dram_tensor`` with ``index_copy_``; when
+    the device pool is host memory (CPU) each layer's rows are scattered into DRAM directly.
     Synchronous: the DRAM pages hold the data when it returns. Mirrors HiCache's
     ``backup_from_device_all_layer`` (``pool_host/mha.py``) for the ``direct`` I/O backend.
 
