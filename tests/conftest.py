@@ -60,11 +60,52 @@ def tiny_model(venv_python: str) -> Path:
 
 
 @pytest.fixture(scope="session")
-def stock_outputs(tiny_model: Path, tmp_path_factory) -> list[list[dict]]:
+def session_servers(tiny_model: Path, tmp_path_factory):
+    """The two servers most e2e tests share, started together once per session (stopped by
+    PID at its end, also on failure): ``stock`` (stock RadixAttention, HBM 32,768 tokens: it
+    never evicts here; 2 running, so requests queue) and ``hiradix`` (hiradix defaults, HBM
+    8,192 tokens, DRAM 0.5 GB, an NVMe tier of 0.25 GB). Tests that need other flags start
+    their own; tests that use these must not change what another test reads (no flush, no
+    fault switches)."""
+    from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
+
+    tmp = tmp_path_factory.mktemp("session_servers")
+    nvme = tmp / "nvme"
+    nvme.mkdir()
+    servers = {
+        "stock": ServerProcess(tiny_model, extra_args=cpu_args(32768) + ["--max-running-requests", "2"],
+                               env=cpu_env(), log_path=tmp / "stock.log"),
+        "hiradix": ServerProcess(tiny_model, extra_args=cpu_args(8192) + [
+            "--enable-hiradix", "--hiradix-dram-gb", "0.5", "--hiradix-nvme-path", str(nvme),
+            "--hiradix-nvme-gb", "0.25"], env=cpu_env(), log_path=tmp / "hiradix.log"),
+    }  # fmt: skip
+    try:
+        for server in servers.values():
+            server.start(wait=False)
+        for server in servers.values():
+            server.wait_healthy()
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def stock_server(session_servers):
+    """Stock SGLang on models/tiny for the session (see `session_servers`)."""
+    return session_servers["stock"]
+
+
+@pytest.fixture(scope="session")
+def hiradix_server(session_servers):
+    """SGLang + hiradix (defaults, NVMe tier) on models/tiny for the session (see `session_servers`)."""
+    return session_servers["hiradix"]
+
+
+@pytest.fixture(scope="session")
+def stock_outputs(stock_server) -> list[list[dict]]:
     """Greedy outputs of stock SGLang on the e2e workload (``tests.helpers.e2e``): 20 sessions
     x 4 turns, an HBM pool that keeps everything, a queue (2 running). Once per session."""
-    from tests.helpers.e2e import SESSIONS, TURNS, WORDS, run_sessions, start
+    from tests.helpers.e2e import SESSIONS, TURNS, WORDS, run_sessions
 
-    log = tmp_path_factory.mktemp("stock") / "stock.log"
-    with start(tiny_model, log, 32768, ["--max-running-requests", "2"]) as stock:
-        return run_sessions(stock.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS)
+    return run_sessions(stock_server.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS)

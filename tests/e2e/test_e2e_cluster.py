@@ -52,18 +52,25 @@ def start_server(model: Path, store: MooncakeCluster, log: Path, page_size: int 
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_model, store, tmp_path_factory):
+def servers(tiny_model, store, tmp_path_factory) -> list[ServerProcess]:
+    """A, B (page size 16) and C (page size 32) on the module's store, started together."""
     logs = tmp_path_factory.mktemp("cluster")
-    servers = [start_server(tiny_model, store, logs / f"{name}.log") for name in "ab"]
+    found = [start_server(tiny_model, store, logs / f"{name}.log") for name in "ab"]
+    found.append(start_server(tiny_model, store, logs / "c.log", page_size=2 * PAGE_TOKENS))
     try:
-        for server in servers:
+        for server in found:
             server.start(wait=False)
-        for server in servers:
+        for server in found:
             server.wait_healthy()
-        yield servers
+        yield found
     finally:
-        for server in servers:
+        for server in found:
             server.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(servers) -> list[ServerProcess]:
+    return servers[:2]
 
 
 def from_store(r: dict) -> int:
@@ -137,14 +144,13 @@ def test_salted_requests_never_hit_each_others_pages(pair, store):
     assert other["text"] == unsalted["text"] == same["text"] == first["text"]
 
 
-def test_another_page_size_on_the_same_store_gets_no_hits(pair, store, tiny_model, tmp_path):
-    a, _ = pair
+def test_another_page_size_on_the_same_store_gets_no_hits(servers, store):
+    a, _, c = servers
     before = store.key_count()
     first = chat(a.base_url, prompt("pagesize"))
     wait_until_stored(store, before + first["prompt_tokens"] // PAGE_TOKENS)
-    with start_server(tiny_model, store, tmp_path / "c.log", page_size=2 * PAGE_TOKENS) as c:
-        again = chat(c.base_url, prompt("pagesize"))
-        assert metric(c.base_url, "sglang:hiradix_store_pages_total", op="found") == 0
+    again = chat(c.base_url, prompt("pagesize"))
+    assert metric(c.base_url, "sglang:hiradix_store_pages_total", op="found") == 0
     assert again["cached"] == 0 and from_store(again) == 0 and again["text"] == first["text"]
 
 

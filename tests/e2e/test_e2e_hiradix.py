@@ -14,6 +14,7 @@ Servers are stopped by PID (whole process group) also when an assertion fails.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -35,12 +36,10 @@ pytestmark = pytest.mark.e2e
 # stock_outputs: tests/conftest.py (one stock run per session, shared by the e2e modules)
 
 
-def test_foundation_sessions_match_stock(tiny_model: Path, tmp_path: Path, stock_outputs):
+def test_foundation_sessions_match_stock(hiradix_server, stock_outputs):
     """5 sessions x 4 turns, HBM-sized so nothing is evicted: hiradix == stock RadixAttention."""
-    with start(tiny_model, tmp_path / "hiradix.log", 8192, ["--enable-hiradix", "--hiradix-dram-gb", "0.05"]) as srv:
-        got = run_sessions(srv.base_url, 5, TURNS, WORDS)
-        log = srv.log_text()
-    assert "hiradix: TieredRadixCache in use" in log
+    got = run_sessions(hiradix_server.base_url, 5, TURNS, WORDS)
+    assert "hiradix: TieredRadixCache in use" in hiradix_server.log_text()
     assert_same_outputs(got, stock_outputs[:5])
     for s in range(5):
         for t in range(1, TURNS):
@@ -49,11 +48,18 @@ def test_foundation_sessions_match_stock(tiny_model: Path, tmp_path: Path, stock
 
 @pytest.fixture(scope="module")
 def tiered_runs(tiny_model: Path, tmp_path_factory) -> dict[str, list[list[dict]]]:
-    """The same queued workload on hiradix `lru`, `lookahead` and `predictive`, HBM << working set."""
+    """The same queued workload on hiradix `lru`, `lookahead` and `predictive`, HBM << working set.
+    The three servers start together; the workloads run one server at a time."""
     runs = {}
-    for policy in ("lru", "lookahead", "predictive"):
-        tmp = tmp_path_factory.mktemp(policy)
-        with start(tiny_model, tmp / "server.log", 2048, tiered_flags(tmp / "nvme", policy)) as srv:
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for policy in ("lru", "lookahead", "predictive"):
+            tmp = tmp_path_factory.mktemp(policy)
+            servers[policy] = start(tiny_model, tmp / "server.log", 2048, tiered_flags(tmp / "nvme", policy))
+            stack.callback(servers[policy].stop)
+            servers[policy].start(wait=False)
+        for policy, srv in servers.items():
+            srv.wait_healthy()
             runs[policy] = run_sessions(srv.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS)
             runs[policy + "_prefetch_started"] = metric(srv.base_url, "sglang:hiradix_prefetch_tokens_total", outcome="started")
             for read in ("ahead", "at_admission"):

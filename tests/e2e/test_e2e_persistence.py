@@ -22,6 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 from hiradix.persistence.index import Put, _read_records, _replay
@@ -83,6 +84,10 @@ def test_nvme_tier_survives_restart_and_other_fingerprint_is_not_reused(tiny_mod
         settle(s1.base_url)
         nvme_tokens = metric(s1.base_url, "sglang:hiradix_tier_used_tokens", tier="NVMe")
         shm = {"s1": shm_dirs_of(s1)}
+        pids = [s1.pid] + [p.pid for p in s1.descendants()]
+        assert len(pids) >= 4  # launcher + scheduler + detokenizer + I/O worker
+    # ServerProcess.stop (the with block) leaves no process of the server behind.
+    assert [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE] == []
     assert nvme_tokens > 0
     index = nvme_dir / "hiradix-rank0" / "index.log"
     assert stat.S_IMODE(index.stat().st_mode) == 0o600

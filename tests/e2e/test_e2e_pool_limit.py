@@ -24,6 +24,7 @@ hiradix series from the start, and a chat response carries per-tier ``cached_tok
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -51,13 +52,26 @@ def readme_cpu_args(max_total_tokens: int) -> list[str]:
     return [a for a in cpu_args(max_total_tokens) if a not in REPORT_FLAGS]
 
 
-@pytest.fixture(scope="module", params=[1, 16], ids=["page1", "page16"])
-def server(request, tiny_model: Path, tmp_path_factory):
-    page_size = request.param
-    tmp = tmp_path_factory.mktemp(f"page{page_size}")
-    args = readme_cpu_args(POOL_TOKENS) + ["--page-size", str(page_size), "--enable-hiradix", "--hiradix-dram-gb", "0.01"]
-    with ServerProcess(tiny_model, extra_args=args, env=cpu_env(), log_path=tmp / "server.log") as srv:
-        yield srv, page_size
+@pytest.fixture(scope="module")
+def servers(tiny_model: Path, tmp_path_factory) -> dict[int, ServerProcess]:
+    """One server per page size, started together, stopped at the end of the module."""
+    with contextlib.ExitStack() as stack:
+        found = {}
+        for page_size in (1, 16):
+            tmp = tmp_path_factory.mktemp(f"page{page_size}")
+            args = readme_cpu_args(POOL_TOKENS) + ["--page-size", str(page_size), "--enable-hiradix",
+                                                   "--hiradix-dram-gb", "0.01"]
+            found[page_size] = ServerProcess(tiny_model, extra_args=args, env=cpu_env(), log_path=tmp / "server.log")
+            stack.callback(found[page_size].stop)
+            found[page_size].start(wait=False)
+        for srv in found.values():
+            srv.wait_healthy()
+        yield found
+
+
+@pytest.fixture(params=[1, 16], ids=["page1", "page16"])
+def server(request, servers):
+    return servers[request.param], request.param
 
 
 def generate(base_url: str, num_tokens: int, max_new_tokens: int = 4, seed: int = 0) -> tuple[int, dict, float]:

@@ -15,6 +15,7 @@ at different times: the agreement must wait for the slower rank, never diverge, 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -33,26 +34,28 @@ def tp2(model: Path, log: Path, max_total_tokens: int, extra: list[str], env: di
                          env={**cpu_env(tp_size=2), **(env or {})}, log_path=log, startup_timeout_s=600)
 
 
-@pytest.fixture(scope="module")
-def stock_tp2(tiny_model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("stock-tp2") / "server.log"
-    with tp2(tiny_model, log, 32768, ["--max-running-requests", "2"]) as srv:
-        return run_sessions(srv.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS)
-
-
-def test_tp2_tiers_churning_with_one_slow_rank_match_stock(tiny_model, tmp_path, stock_tp2):
+def test_tp2_tiers_churning_with_one_slow_rank_match_stock(tiny_model, tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     flags = ["--max-running-requests", "2", "--enable-hiradix",
              "--hiradix-dram-gb", "0.003", "--hiradix-nvme-path", str(nvme), "--hiradix-nvme-gb", "0.2",
              "--hiradix-load-timeout-s", "5"]  # fmt: skip
     env = {"HIRADIX_CHECK_INTEGRITY": "1", "HIRADIX_FAULTS": "load_delay_s=0.3,only_rank=1"}
-    with tp2(tiny_model, tmp_path / "server.log", 2048, flags, env) as srv:
-        got = run_sessions(srv.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS)
-        read = metric(srv.base_url, "sglang:hiradix_prefetch_tokens_total", outcome="completed")
-        workers = [p for p in srv.descendants() if "hiradix.io.worker" in " ".join(p.cmdline())]
-        log = srv.log_text()
-    assert_same_outputs(got, stock_tp2)
+    stock = tp2(tiny_model, tmp_path / "stock.log", 32768, ["--max-running-requests", "2"])
+    hiradix = tp2(tiny_model, tmp_path / "server.log", 2048, flags, env)
+    with contextlib.ExitStack() as stack:
+        for server in (stock, hiradix):  # both start at once; the workloads run one after the other
+            stack.callback(server.stop)
+            server.start(wait=False)
+        stock.wait_healthy()
+        expected = run_sessions(stock.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS)
+        stock.stop()
+        hiradix.wait_healthy()
+        got = run_sessions(hiradix.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS)
+        read = metric(hiradix.base_url, "sglang:hiradix_prefetch_tokens_total", outcome="completed")
+        workers = [p for p in hiradix.descendants() if "hiradix.io.worker" in " ".join(p.cmdline())]
+        log = hiradix.log_text()
+    assert_same_outputs(got, expected)
     hits = tier_hits(got)
     assert hits["host"] + hits["storage"] > 0 and read > 0, (hits, read)  # DRAM and NVMe served turns
     assert all(r["latency_s"] < ANSWER_WITHIN_S for session in got for r in session)

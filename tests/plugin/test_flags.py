@@ -21,11 +21,9 @@ import os
 import pickle
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import types
 from pathlib import Path
@@ -194,7 +192,35 @@ REFUSALS = [
 ]  # fmt: skip
 
 
+# Rows of REFUSALS that also go through a real launcher process: one SGLang conflict, one
+# hiradix value error, one machine check. The wiring (plugin loaded, hooks applied, exit status
+# 2 before any model loads) is the same for every row; the rows' messages are checked in-process.
+LAUNCHER_REFUSALS = ("hierarchical-cache", "nvme-gb-without-path", "dram-over-ram")
+
+
+def refused_in_process(argv: list[str], monkeypatch, capsys) -> str:
+    """Parse `argv` through SGLang's parser and our hooks (as the launcher does) and expect a
+    refusal: a SystemExit with status 2 and exactly one "hiradix: ..." line on stderr."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    capsys.readouterr()
+    with pytest.raises(refusals.HiRadixRefusal) as caught:
+        parse_in_process(argv, monkeypatch)
+    assert caught.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hiradix:")]
+    assert lines == [str(caught.value)], lines
+    return lines[0]
+
+
 @pytest.mark.parametrize("extra, expected", [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
+def test_refusals_name_the_flag(monkeypatch, capsys, llama_dir, cpu_flags, extra, expected):
+    line = refused_in_process(["--model-path", str(llama_dir), *cpu_flags, "--enable-hiradix", *extra],
+                              monkeypatch, capsys)
+    for text in expected:
+        assert text in line, line
+
+
+@pytest.mark.parametrize("extra, expected", [r[1:] for r in REFUSALS if r[0] in LAUNCHER_REFUSALS],
+                         ids=[r[0] for r in REFUSALS if r[0] in LAUNCHER_REFUSALS])
 def test_launcher_refuses_before_loading(
     venv_python, cpu_env, cpu_flags, llama_dir, tmp_path, extra, expected
 ):
@@ -202,15 +228,14 @@ def test_launcher_refuses_before_loading(
     assert_refused(launch(venv_python, args, cpu_env, tmp_path), *expected)
 
 
-def test_launcher_refuses_nvme_path_that_is_a_file(venv_python, cpu_env, cpu_flags, llama_dir, tmp_path):
+def test_refuses_nvme_path_that_is_a_file(monkeypatch, capsys, cpu_flags, llama_dir, tmp_path):
     file_path = tmp_path / "not-a-dir"
     file_path.write_text("x")
-    args = ["--model-path", str(llama_dir), *cpu_flags, "--enable-hiradix",
+    argv = ["--model-path", str(llama_dir), *cpu_flags, "--enable-hiradix",
             "--hiradix-nvme-path", str(file_path), "--hiradix-nvme-gb", "1"]  # fmt: skip
-    assert_refused(
-        launch(venv_python, args, cpu_env, tmp_path),
-        f"--hiradix-nvme-path {file_path} exists but is not a directory",
-    )
+    line = refused_in_process(argv, monkeypatch, capsys)
+    assert f"--hiradix-nvme-path {file_path} exists but is not a directory" in line
+    assert file_path.read_text() == "x"
 
 
 def test_launcher_refuses_missing_nvme_path(venv_python, cpu_env, cpu_flags, llama_dir, tmp_path):
@@ -221,32 +246,29 @@ def test_launcher_refuses_missing_nvme_path(venv_python, cpu_env, cpu_flags, lla
     assert not (tmp_path / "no").exists()
 
 
-def test_launcher_refuses_nvme_larger_than_free_disk(venv_python, cpu_env, cpu_flags, llama_dir, tmp_path):
+def test_refuses_nvme_larger_than_free_disk(monkeypatch, capsys, cpu_flags, llama_dir, tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    args = ["--model-path", str(llama_dir), *cpu_flags, "--enable-hiradix",
+    argv = ["--model-path", str(llama_dir), *cpu_flags, "--enable-hiradix",
             "--hiradix-nvme-path", str(nvme), "--hiradix-nvme-gb", "1e9"]  # fmt: skip
-    line = assert_refused(launch(venv_python, args, cpu_env, tmp_path), "--hiradix-nvme-gb 1000000000 needs")
+    line = refused_in_process(argv, monkeypatch, capsys)
+    assert "--hiradix-nvme-gb 1000000000 needs" in line
     assert f"--hiradix-nvme-path {nvme} has" in line and "GB free" in line
+    assert list(nvme.iterdir()) == []
 
 
 @pytest.mark.parametrize(
     "flag_args, flag",
     [(["--hiradix-policy", "lru"], "--hiradix-policy"), (["--hiradix-dram-gb", "2"], "--hiradix-dram-gb")],
 )
-def test_launcher_refuses_hiradix_flag_without_enable(
-    venv_python, cpu_env, cpu_flags, llama_dir, tmp_path, flag_args, flag
-):
-    args = ["--model-path", str(llama_dir), *cpu_flags, *flag_args]
-    assert_refused(launch(venv_python, args, cpu_env, tmp_path), f"{flag} given without --enable-hiradix")
+def test_refuses_hiradix_flag_without_enable(monkeypatch, capsys, cpu_flags, llama_dir, flag_args, flag):
+    line = refused_in_process(["--model-path", str(llama_dir), *cpu_flags, *flag_args], monkeypatch, capsys)
+    assert f"{flag} given without --enable-hiradix" in line
 
 
-def test_launcher_refuses_backend_name_without_enable(venv_python, cpu_env, cpu_flags, llama_dir, tmp_path):
-    args = ["--model-path", str(llama_dir), *cpu_flags, "--radix-cache-backend", "hiradix"]
-    assert_refused(
-        launch(venv_python, args, cpu_env, tmp_path),
-        "--radix-cache-backend hiradix requires --enable-hiradix",
-    )
+def test_refuses_backend_name_without_enable(monkeypatch, capsys, cpu_flags, llama_dir):
+    argv = ["--model-path", str(llama_dir), *cpu_flags, "--radix-cache-backend", "hiradix"]
+    assert "--radix-cache-backend hiradix requires --enable-hiradix" in refused_in_process(argv, monkeypatch, capsys)
 
 
 @pytest.mark.parametrize(
@@ -254,12 +276,17 @@ def test_launcher_refuses_backend_name_without_enable(venv_python, cpu_env, cpu_
     [(MLA_CONFIG, "an MLA model (kv_lora_rank=512"), (SWA_HYBRID_CONFIG, "a hybrid-attention model")],
     ids=["mla", "sliding-window-hybrid"],
 )
-def test_launcher_refuses_unsupported_architecture(
-    venv_python, cpu_env, cpu_flags, tmp_path, config, expected
-):
+def test_refuses_unsupported_architecture(monkeypatch, capsys, cpu_flags, tmp_path, config, expected):
     model_dir = write_model_dir(tmp_path, "model", config)
+    line = refused_in_process(["--model-path", str(model_dir), *cpu_flags, "--enable-hiradix"], monkeypatch, capsys)
+    assert f"--model-path {model_dir} is" in line and expected in line, line
+
+
+def test_launcher_refuses_unsupported_architecture(venv_python, cpu_env, cpu_flags, tmp_path):
+    model_dir = write_model_dir(tmp_path, "model", SWA_HYBRID_CONFIG)
     args = ["--model-path", str(model_dir), *cpu_flags, "--enable-hiradix"]
-    assert_refused(launch(venv_python, args, cpu_env, tmp_path), f"--model-path {model_dir} is", expected)
+    assert_refused(launch(venv_python, args, cpu_env, tmp_path), f"--model-path {model_dir} is",
+                   "a hybrid-attention model")
 
 
 def test_launcher_refuses_when_resolution_disables_radix_cache(venv_python, cpu_env, cpu_flags, tmp_path):
@@ -822,65 +849,18 @@ def test_hook_table_targets_exist():
 # ----------------------------------------------------------------- e2e (real server)
 
 
-def _free_port() -> int:
-    for port in range(32040, 32100, 2):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                with socket.socket() as s2:
-                    s2.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-    pytest.fail("no free port pair in 32040-32099: another process holds them all")
-
-
 def _sgl_kernel_importable(python: str) -> bool:
     probe = subprocess.run([python, "-c", "import sgl_kernel"], capture_output=True)
     return probe.returncode == 0
 
 
-def watch_server(python: str, args: list[str], env: dict, cwd: Path, until: str, timeout_s: float) -> str:
-    """Start a server, return its output once `until` appears (or it exits); kill it."""
-    proc = subprocess.Popen(
-        [python, "-m", "sglang.launch_server", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=cwd,
-        text=True,
-        start_new_session=True,
-    )
-    lines: list[str] = []
-    seen = threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if until in line:
-                seen.set()
-        seen.set()  # exited
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        seen.wait(timeout_s)
-    finally:
-        _kill_session(proc)
-        reader.join(timeout=10)
-    return "".join(lines)
-
-
 @pytest.mark.e2e
-def test_config_reaches_the_scheduler(venv_python, cpu_env, cpu_flags, tiny_model, tmp_path):
-    if not _sgl_kernel_importable(venv_python):
+def test_config_reaches_the_scheduler(hiradix_server):
+    if not _sgl_kernel_importable(hiradix_server.python):
         pytest.fail("patches not applied (sgl_kernel stand-in missing): run scripts/setup or patches/apply.py")
-    nvme = tmp_path / "nvme"
-    nvme.mkdir()
-    args = ["--model-path", str(tiny_model), *cpu_flags, "--port", str(_free_port()),
-            "--enable-hiradix", "--hiradix-dram-gb", "0.5",
-            "--hiradix-nvme-path", str(nvme), "--hiradix-nvme-gb", "0.25"]  # fmt: skip
-    output = watch_server(venv_python, args, cpu_env, tmp_path, "hiradix: building the cache", 180)
+    args = hiradix_server.extra_args
+    nvme = args[args.index("--hiradix-nvme-path") + 1]
+    output = hiradix_server.log_text()
     summary = (
         "policy=lookahead, lookahead_window=64, write_policy=write_through, "
         f"dram_bytes=500000000, dram_mode=cache, nvme={nvme} (250000000 bytes), store=off, load_timeout_s=2"
@@ -888,20 +868,18 @@ def test_config_reaches_the_scheduler(venv_python, cpu_env, cpu_flags, tiny_mode
     assert f"hiradix: enabled ({summary}, page_size=16)" in output, output[-4000:]
     assert output.count("hiradix: enabled") == 1  # checked once, not again in children
     # Logged by the factory in the scheduler process: the config arrived on the record.
-    assert (
+    building = (
         f"hiradix: building the cache on tp_rank 0 (config from server_args._hiradix_config: {summary})"
-    ) in output, output[-4000:]
-    assert "Load weight end" in output  # the factory runs after the model loaded
+    )
+    assert building in output, output[-4000:]
+    assert output.index("Load weight end") < output.index(building)  # the factory runs after the model loaded
 
 
 @pytest.mark.e2e
-def test_stock_server_with_plugin_installed_uses_default_cache(
-    venv_python, cpu_env, cpu_flags, tiny_model, tmp_path
-):
-    if not _sgl_kernel_importable(venv_python):
+def test_stock_server_with_plugin_installed_uses_default_cache(stock_server):
+    if not _sgl_kernel_importable(stock_server.python):
         pytest.fail("patches not applied (sgl_kernel stand-in missing): run scripts/setup or patches/apply.py")
-    args = ["--model-path", str(tiny_model), *cpu_flags, "--port", str(_free_port())]
-    output = watch_server(venv_python, args, cpu_env, tmp_path, "Tree cache initialized", 180)
+    output = stock_server.log_text()
     assert "Tree cache initialized: source=default impl=UnifiedRadixCache" in output, output[-4000:]
     assert "hiradix" not in output
 

@@ -3,8 +3,8 @@
 The stand-in helpers are checked against straightforward loops (the semantics of the
 Triton kernels they replace, read from SGLang 0.5.23's call sites), directly and through
 SGLang's own CPU wrappers. The patch tests run on copies of the installed files. The
-`e2e` tests start real `sglang.launch_server` processes on models/tiny (built by
-scripts/make_model.py when missing) on ports 31000-31099.
+`e2e` tests use real `sglang.launch_server` processes on models/tiny: the session's stock
+server (tests/conftest.py) and a stock HiCache server of their own.
 """
 
 from __future__ import annotations
@@ -14,24 +14,21 @@ import importlib.util
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import textwrap
-import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
+from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
+
 REPO = Path(__file__).resolve().parents[2]
 PATCHES = REPO / "patches"
 STANDIN = PATCHES / "sgl_kernel_standin" / "sgl_kernel"
 PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
-PORTS = range(31000, 31100)
 
 if str(PATCHES) not in sys.path:
     sys.path.insert(0, str(PATCHES))
@@ -539,27 +536,8 @@ def test_torchvision_imports():
 # End to end: stock SGLang on models/tiny
 # ---------------------------------------------------------------------------------------------
 
-BASE_CMD = ["-m", "sglang.launch_server", "--device", "cpu", "--attention-backend", "torch_native",
-            "--sleep-on-idle", "--dtype", "float32", "--enable-cache-report"]
 HICACHE_FLAGS = ["--enable-hierarchical-cache", "--hicache-io-backend", "direct",
                  "--hicache-mem-layout", "layer_first"]
-START_TIMEOUT_S = 300
-
-
-def _free_ports(n: int) -> list[int]:
-    found = []
-    for port in PORTS:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        found.append(port)
-        if len(found) == n:
-            return found
-    raise RuntimeError(f"no {n} free ports in {PORTS}")
-
-
 def _post(port: int, path: str, body: dict, timeout_s: float = 300) -> dict:
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
@@ -567,84 +545,23 @@ def _post(port: int, path: str, body: dict, timeout_s: float = 300) -> dict:
         return json.load(r)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (launcher, scheduler, detokenizer), then SIGKILL."""
-    if proc.poll() is None:
-        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(proc.pid, sig)  # the group this test created with start_new_session
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # children that outlived the launcher
-    except (ProcessLookupError, PermissionError):
-        pass
+@pytest.fixture(scope="class")
+def radix_server(stock_server) -> int:
+    """Stock RadixAttention: the session's stock server (tests/conftest.py); its port."""
+    return stock_server.port
 
 
-def _start_server(model: Path, extra: list[str], log_path: Path):
-    port, nccl_port = _free_ports(2)
-    cmd = [PYTHON, *BASE_CMD, "--model-path", str(model), "--port", str(port),
-           "--nccl-port", str(nccl_port), *extra]
-    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONUNBUFFERED": "1"}
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                            start_new_session=True)
-    t0 = time.monotonic()
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited ({proc.returncode}):\n{log_path.read_text()[-4000:]}")
-            if time.monotonic() - t0 > START_TIMEOUT_S:
-                raise RuntimeError(f"no /health after {START_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-    except BaseException:
-        _stop(proc)
-        log.close()
-        raise
-    return proc, port, log, time.monotonic() - t0
+@pytest.fixture(scope="class")
+def hicache_server(tiny_model, tmp_path_factory):
+    """Stock HiCache with a 4,096-token device pool (host pool: twice that, the default ratio); its port."""
+    log = tmp_path_factory.mktemp("hicache") / "server.log"
+    with ServerProcess(tiny_model, extra_args=cpu_args(4096) + HICACHE_FLAGS, env=cpu_env(), log_path=log) as srv:
+        yield srv.port
 
 
 @pytest.fixture(scope="module")
-def tiny_model_dir() -> Path:
-    out = REPO / "models" / "tiny"
-    subprocess.run([PYTHON, str(REPO / "scripts" / "make_model.py"), "--preset", "tiny", "--out", str(out)],
-                   check=True, timeout=600)
-    return out
-
-
-def _server_fixture(model: Path, extra: list[str], log_path: Path):
-    proc, port, log, start_s = _start_server(model, extra, log_path)
-    try:
-        print(f"server on port {port} answered /health after {start_s:.1f} s (log: {log_path})")
-        yield port
-    finally:
-        _stop(proc)
-        log.close()
-
-
-@pytest.fixture(scope="class")
-def radix_server(tiny_model_dir, tmp_path_factory):
-    """Stock RadixAttention: --max-total-tokens 8192."""
-    log = tmp_path_factory.mktemp("radix") / "server.log"
-    yield from _server_fixture(tiny_model_dir, ["--max-total-tokens", "8192"], log)
-
-
-@pytest.fixture(scope="class")
-def hicache_server(tiny_model_dir, tmp_path_factory):
-    """Stock HiCache with a 4,096-token device pool (host pool: twice that, the default ratio)."""
-    log = tmp_path_factory.mktemp("hicache") / "server.log"
-    yield from _server_fixture(tiny_model_dir, ["--max-total-tokens", "4096", *HICACHE_FLAGS], log)
+def tiny_model_dir(tiny_model) -> Path:
+    return tiny_model
 
 
 @pytest.mark.e2e
