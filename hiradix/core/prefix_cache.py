@@ -4,7 +4,7 @@
 (``sglang/srt/mem_cache/base_prefix_cache.py``) asks of a radix cache, in the core's own terms:
 token ids, a namespace, device slot arrays from a :class:`~hiradix.core.ports.DevicePool`.
 The server's seam (:class:`hiradix.sglang_plugin.cache.TieredRadixCache`) translates SGLang's
-``RadixKey``/``Req``/``MatchResult`` into these calls; the trace simulator (``bench/simulate.py``)
+``RadixKey``/``Req``/``MatchResult`` into these calls; the trace simulator (``bench/sim/simulate.py``)
 makes the same calls over data-less ports, so it proves what the server does.
 
 Lengths are in tokens, whole pages (keys are truncated to whole pages by the tree). Slot arrays

@@ -13,7 +13,7 @@ slot (NHD). Off the device a page of one layer is FlashInfer's paged NHD block
 
 Page-major is the default because it is as fast for the layer-wise load (one layer of a page is
 one extent in both orders) and faster for the all-layer store and the NVMe path (a page goes to
-its slot as one extent, no gather); ``bench/layout_order.py`` measures it, the figures are in
+its slot as one extent, no gather); ``bench/micro/layout_order.py`` measures it, the figures are in
 ``bench/RESULTS.md`` ("KV layout order").
 
 Data movement only: these functions copy bytes and keep no books; which page ids are free is

@@ -1,6 +1,6 @@
 """Data-less implementations of the core's ports, so the real bookkeeping runs without KV bytes.
 
-The trace simulator (``bench/simulate.py``) and the tests drive the real
+The trace simulator (``bench/sim/simulate.py``) and the tests drive the real
 :class:`hiradix.core.prefix_cache.TieredPrefixCache` (tree, policies, ledger, placement,
 controller) through these, the same object the server drives; they carry page ids and op ids
 only (no tensors, no files, no processes):

@@ -229,7 +229,7 @@ class NvmeStore:
         # Page-aligned anonymous mappings, zero-filled; one per thread in flight. MAP_POPULATE
         # faults each buffer in at once, so its pages are physically contiguous runs rather
         # than 4 KiB pieces scattered by concurrent first touches: a 2 MiB O_DIRECT read is
-        # then ~1 block request instead of ~4 (bench/io.py: store reads 0.46 -> 0.88 of raw).
+        # then ~1 block request instead of ~4 (bench/micro/tier_io.py: store reads 0.46 -> 0.88 of raw).
         self._bounce: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
         # A run of consecutive slots moves in one call of up to COALESCE_BYTES (fewer syscalls,

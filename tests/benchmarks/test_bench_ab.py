@@ -14,10 +14,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench import ab, ab_report, server_metrics, stats  # noqa: E402
-from bench.conversations import Session, synthetic_sessions  # noqa: E402
-from bench.multiturn import WorkloadConfig  # noqa: E402
-from bench.paired import PairedConfig, PairedRecord, next_batch, rotation, run_paired, think_time_s  # noqa: E402
+from bench.ab import report as ab_report
+from bench.ab import run as ab
+from bench.common import server_metrics, stats  # noqa: E402
+from bench.common.conversations import Session, synthetic_sessions  # noqa: E402
+from bench.common.multiturn import WorkloadConfig  # noqa: E402
+from bench.ab.paired import PairedConfig, PairedRecord, next_batch, rotation, run_paired, think_time_s  # noqa: E402
 from tests.helpers.fake_chat import FakeChatServer  # noqa: E402
 
 # ---------------------------------------------------------------- statistics
@@ -71,7 +73,7 @@ def test_rotation_puts_every_system_in_every_position_once():
 
 
 def test_next_batch_takes_ready_sessions_earliest_first():
-    from bench.paired import _SessionState
+    from bench.ab.paired import _SessionState
 
     sessions = synthetic_sessions(4, 2, seed=0, max_message_chars=20)
     states = [_SessionState(ready_at_s=t) for t in (3.0, 0.5, 0.0, 9.0)]

@@ -1,4 +1,4 @@
-"""Tests of the benchmark client: conversations, the streaming client, ServerProcess, bench.ab.
+"""Tests of the benchmark client: conversations, the streaming client, ServerProcess, bench.ab.run.
 
 Fast tests use a fake OpenAI-style server (aiohttp, SGLang-shaped SSE chunks) and a fake
 `sglang.launch_server` module; the `e2e` tests start real SGLang servers on models/tiny.
@@ -20,13 +20,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # bench/ is a plain directory at the repo root
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench import ab  # noqa: E402
-from bench.conversations import (  # noqa: E402
+from bench.ab import run as ab  # noqa: E402
+from bench.common.conversations import (  # noqa: E402
     conversation_to_messages,
     load_sessions,
     synthetic_sessions,
 )
-from bench.multiturn import (  # noqa: E402
+from bench.common.multiturn import (  # noqa: E402
     RequestRecord,
     _apply_chunk,
     arrival_times_s,
@@ -35,7 +35,7 @@ from bench.multiturn import (  # noqa: E402
     run_workload,
     write_records,
 )
-from bench.paired import PairedRecord  # noqa: E402
+from bench.ab.paired import PairedRecord  # noqa: E402
 from hiradix.testing.server import ServerProcess, ServerStartError, cpu_args, cpu_env  # noqa: E402
 from tests.helpers.fake_chat import FakeChatServer  # noqa: E402
 
@@ -199,7 +199,7 @@ def test_http_error_is_recorded_not_raised():
     assert all(r.error and r.error.startswith("HTTP 404") for r in records)
 
 
-# ---------------------------------------------------------------- bench.ab helpers
+# ---------------------------------------------------------------- bench.ab.run helpers
 
 
 def test_resolve_systems_duplicates_and_pass_through():
@@ -246,7 +246,7 @@ def test_tier_sizes_are_equal_for_hicache_and_hiradix(tmp_path):
 
 def test_nvme_is_sized_to_the_run_and_removed_after(tmp_path):
     """Issue 14: no 2 GB nvme.kv per system when the run never reads NVMe; files go at the end."""
-    from bench.conversations import Session
+    from bench.common.conversations import Session
 
     sessions = [Session(f"s{i}", ({"role": "user", "content": "x" * 300}, {"role": "assistant", "content": "y" * 300},
                                   {"role": "user", "content": "z" * 300}), "synthetic") for i in range(3)]

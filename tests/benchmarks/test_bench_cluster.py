@@ -1,4 +1,4 @@
-"""Tests of bench/cluster.py (two servers behind a client-side router) and its report.
+"""Tests of bench/cluster/run.py (two servers behind a client-side router) and its report.
 
 Fast tests check the router, the cell plan, the `ideal` hits, the storage split, the bootstrap,
 the table, the targets and the files on hand-made records; the `e2e` test runs one `--quick`
@@ -20,8 +20,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # bench/ is a plain directory at the repo root
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench import cluster, cluster_report  # noqa: E402
-from bench.conversations import Session  # noqa: E402
+from bench.cluster import report as cluster_report
+from bench.cluster import run as cluster  # noqa: E402
+from bench.common.conversations import Session  # noqa: E402
 from hiradix.testing.mooncake import MooncakeCluster  # noqa: E402
 from tests.helpers.store import requires_mooncake  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Smoke test of ``bench/io.py``: the tiny shape, two rounds, every field of the JSON present and positive.
+"""Smoke test of ``bench/micro/tier_io.py``: the tiny shape, two rounds, every field of the JSON present and positive.
 
 Checks that the benchmark runs end to end (raw baseline, NvmeStore, a real I/O worker process,
 DRAM copies, pings) and writes its files; it measures nothing.
@@ -10,7 +10,7 @@ import json
 import math
 from pathlib import Path
 
-import bench.io as bench_io
+import bench.micro.tier_io as bench_io
 
 NVME_FIELDS = ("bytes", "median_s", "best_s", "median_gbps", "best_gbps", "ratio_median", "ratio_best")
 PINGS = 10

@@ -1,4 +1,4 @@
-"""The trace simulator (``bench/simulate.py`` over ``hiradix.testing.sim_ports``) on scripted traces.
+"""The trace simulator (``bench/sim/simulate.py`` over ``hiradix.testing.sim_ports``) on scripted traces.
 
 Small Mooncake-format traces written to a temp dir; every simulated step ends with
 ``books.check_integrity()`` plus the HBM slot balance (``SimConfig.check_every_step``).
@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from bench.offline import belady_hit_rate, lru_hit_rate
-from bench.simulate import BLOCK_TOKENS, Engine, SimConfig, infinite_hit_rates, load_trace, main, run_scenario
+from bench.sim.offline import belady_hit_rate, lru_hit_rate
+from bench.sim.simulate import BLOCK_TOKENS, Engine, SimConfig, infinite_hit_rates, load_trace, main, run_scenario
 from hiradix.testing.sim_ports import SimClock, SimDevicePool, SimIOClient
 from hiradix.io.protocol import LoadPages, StorePages
 from hiradix.core.node import IntegrityError

@@ -1,4 +1,4 @@
-"""The cluster simulator (``bench/simulate_cluster.py``): routing, and what a shared store recovers.
+"""The cluster simulator (``bench/sim/cluster.py``): routing, and what a shared store recovers.
 
 The scripted chat trace of ``test_simulate`` (8 conversations x 3 turns behind a shared system
 block; 47 of 72 block references hit in one infinite cache) on 4 simulated servers. Invariants
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 
-from bench.simulate import BLOCK_TOKENS, infinite_hit_rates, load_trace
-from bench.simulate_cluster import Scenario, conversation_of, main, route, run_cluster
+from bench.sim.simulate import BLOCK_TOKENS, infinite_hit_rates, load_trace
+from bench.sim.cluster import Scenario, conversation_of, main, route, run_cluster
 from tests.benchmarks.test_simulate import ample, chat_trace
 
 HIT_BLOCKS = 47  # of the chat trace's 72 block references (see chat_trace)

@@ -1,7 +1,7 @@
 """The soak (issue 6, item 5): its leak checks on their own, then `scripts/soak` for 50 seconds.
 
 * Unit: `hiradix.testing.resources` sees an extra socket, fd and /dev/shm mapping of this very
-  process; modes that others could reach are named; `bench.soak.end_checks` reports each kind
+  process; modes that others could reach are named; `bench.soak.run.end_checks` reports each kind
   of leak and nothing when the end equals the baseline; the tiers' gauges and summary parse.
 * e2e: `scripts/soak --duration-s 50 --check-interval-s 4` on the tiny model (a real server, all tiers churning,
   invariants checked every scheduler step): exit status 0 and a report whose numbers show
@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench.soak import SUMMARY_RE, Snapshot, SoakConfig, SoakReport, end_checks, parse_tier_tokens
+from bench.soak.run import SUMMARY_RE, Snapshot, SoakConfig, SoakReport, end_checks, parse_tier_tokens
 from hiradix.testing.resources import TreeUsage, dir_modes, private_mode_problems, tree_usage
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

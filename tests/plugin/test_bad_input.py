@@ -42,7 +42,7 @@ from typing import Callable
 
 import pytest
 
-from bench.soak import LogScanner
+from bench.soak.run import LogScanner
 from hiradix.config import HiRadixConfig, HiRadixConfigError, check_machine
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
 

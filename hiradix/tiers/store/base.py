@@ -171,7 +171,7 @@ class StoreConfig:
         tcp_connection_pool: reuse pooled TCP connections to holders. Off (the default), a
             stalled holder fails a get after ``transfer_timeout_s``; on, stalled transfers
             queue behind each other (16 keys took 11-18 s with a 1-2 s timeout); a healthy
-            store may move more bytes per second with it (``bench/store_io.py``; noisy here).
+            store may move more bytes per second with it (``bench/micro/store_io.py``; noisy here).
     """
 
     master_server_address: str

@@ -1,4 +1,4 @@
-"""The systems `bench.ab` compares: names, server flags, equal tier sizes, the ideal's pool.
+"""The systems `bench.ab.run` compares: names, server flags, equal tier sizes, the ideal's pool.
 
 A system is a name plus extra server flags (and, for `ideal`, its own device pool). Built-in
 names (`BUILTIN_SYSTEMS`): `stock` (RadixAttention), `ideal` (stock RadixAttention whose device
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from bench.conversations import Session
+from bench.common.conversations import Session
 
 BUILTIN_SYSTEMS: dict[str, tuple[str, ...]] = {
     "stock": (),

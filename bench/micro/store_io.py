@@ -2,8 +2,8 @@
 
 Run from the repository root (no test or benchmark running at the same time)::
 
-    .venv/bin/python -m bench.store_io                 # ~1 minute on 2 cores
-    .venv/bin/python -m bench.store_io --object-mib 1 --objects 64 --repeats 7
+    .venv/bin/python -m bench.micro.store_io                 # ~1 minute on 2 cores
+    .venv/bin/python -m bench.micro.store_io --object-mib 1 --objects 64 --repeats 7
 
 One store (:class:`hiradix.testing.mooncake.MooncakeCluster`: a master and one holder with
 ``--segment-mib`` MiB) and two clients with ``global_segment_bytes`` 0, pages in a

@@ -1,7 +1,7 @@
 """Cluster trace simulator: N servers behind a router, with or without a shared cluster store.
 
-Replays a Mooncake-format trace (``bench/simulate.py`` reads it) through N simulated servers,
-each the server's own prefix cache (``bench.simulate.Engine`` over
+Replays a Mooncake-format trace (``bench/sim/simulate.py`` reads it) through N simulated servers,
+each the server's own prefix cache (``bench.sim.simulate.Engine`` over
 :class:`hiradix.core.prefix_cache.TieredPrefixCache`) on one shared virtual clock. A router sends
 each request to one server:
 
@@ -17,8 +17,8 @@ clock), optionally bounded (``--store-tokens``, LRU). Without it each server has
 tiers. Hit rate = hit tokens / prompt tokens over all servers; "store %" = the share of hit
 tokens read from the store (another server's KV, or its own after a local eviction).
 
-    .venv/bin/python bench/simulate_cluster.py                       # 1, 4, 16 servers x routing x store
-    .venv/bin/python bench/simulate_cluster.py --instances 4 --tiers nvme --limit 3000
+    .venv/bin/python bench/sim/cluster.py                       # 1, 4, 16 servers x routing x store
+    .venv/bin/python bench/sim/cluster.py --instances 4 --tiers nvme --limit 3000
 
 Outputs under ``--out-dir`` (default ``runs/simulate-cluster-<time>/``): ``simulate_cluster.json``
 and ``simulate_cluster.png`` (hit rate per scenario, split by serving tier).
@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 if __package__ in (None, ""):  # run as a script: make `hiradix` and `bench` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.simulate import (  # noqa: E402
+from bench.sim.simulate import (  # noqa: E402
     DEFAULT_TRACE,
     TIERS,
     Engine,

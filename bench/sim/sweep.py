@@ -1,14 +1,14 @@
-"""Hit rate against capacity (``bench/simulate.py --sweep``): hiradix policies next to LRU, Belady, infinite.
+"""Hit rate against capacity (``bench/sim/simulate.py --sweep``): hiradix policies next to LRU, Belady, infinite.
 
 Capacity points are fractions of the trace's unique tokens (distinct blocks x 512; default 1%,
 3%, 9%, 25%, 50%). At a point of ``C`` tokens the simulated server has DRAM ``C x dram_share``
 (default 1/9, the 1M DRAM : 8M NVMe of issue 12) and NVMe the rest, HBM as configured
 (``--hbm-tokens``). Per point:
 
-* every ``--policies`` policy on the ``nvme`` scenario (bench/simulate.py's engine);
+* every ``--policies`` policy on the ``nvme`` scenario (bench/sim/simulate.py's engine);
 * "NVMe worth" of ``--worth-policy``: its hit rate with DRAM d + NVMe n over its hit rate with
   DRAM d + n alone (the ``dram`` scenario with all of C in DRAM);
-* the references over one pool of C (bench/offline.py): Belady's offline optimum and plain LRU;
+* the references over one pool of C (bench/sim/offline.py): Belady's offline optimum and plain LRU;
   and the infinite cache.
 
 Hit rates are block hit rates (the simulator's ``block %``, comparable with Belady's). The
@@ -25,7 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence
 
-from bench.offline import BLOCK_TOKENS, belady_hit_rate, distinct_blocks, lru_hit_rate
+from bench.sim.offline import BLOCK_TOKENS, belady_hit_rate, distinct_blocks, lru_hit_rate
 
 DEFAULT_FRACTIONS = (0.01, 0.03, 0.09, 0.25, 0.5)
 
@@ -45,7 +45,7 @@ _TRACE: Sequence = ()  # set in the parent before the pool forks: the workers re
 
 
 def _run(job: tuple) -> dict:
-    from bench.simulate import run_scenario
+    from bench.sim.simulate import run_scenario
 
     cfg, tier, policy = job
     return run_scenario(_TRACE, cfg, tier, policy)
@@ -76,7 +76,7 @@ def run_sweep(trace: Sequence, base_cfg, policies: Sequence[str], worth_policy: 
         blocks = p["tokens"] // BLOCK_TOKENS
         p["belady"] = belady_hit_rate(trace, blocks)
         p["lru_blocks"] = lru_hit_rate(trace, blocks)
-    from bench.simulate import infinite_hit_rates
+    from bench.sim.simulate import infinite_hit_rates
 
     inf = infinite_hit_rates(trace, base_cfg.page_size)
     return {"points": pts, "infinite": inf, "policies": list(policies), "worth_policy": worth_policy,
@@ -110,7 +110,7 @@ def format_sweep(summary: dict) -> str:
         lines.append(row)
     lines += [
         "columns per policy: block hit % (hiradix simulator, nvme scenario); LRU blk / Belady: one pool of DRAM+NVMe",
-        "bytes over the trace's blocks (bench/offline.py); ready%: hits already in HBM or DRAM at the first admission",
+        "bytes over the trace's blocks (bench/sim/offline.py); ready%: hits already in HBM or DRAM at the first admission",
         f"try; wait ms: NVMe wait per request; unready%: NVMe tokens admitted unread ({best}), of prompt tokens;",
         f"worth%: {summary['worth_policy']} with DRAM d + NVMe n over DRAM d+n alone; wall s: slowest scenario.",
     ]

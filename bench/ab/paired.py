@@ -1,4 +1,4 @@
-"""The paired scheduler of `bench.ab`: every request goes to every system, back to back.
+"""The paired scheduler of `bench.ab.run`: every request goes to every system, back to back.
 
 Design (issue 13, "an equivalent design that gives every system the same machine conditions"):
 all systems' servers are up at once (`--sleep-on-idle`: an idle one does not spin a core). The
@@ -18,7 +18,7 @@ waits for the round in progress to end. Arrivals and think times are thus the sa
 system of a repetition, as are the batches: request (repeat, session, turn) is paired across
 systems.
 
-History: with `own_answers` (the default of `bench.ab`) each system's session history carries
+History: with `own_answers` (the default of `bench.ab.run`) each system's session history carries
 that system's own previous answers (what a chat client sends back), else the dataset's.
 """
 
@@ -32,8 +32,8 @@ from typing import Callable, Optional, Sequence
 
 import aiohttp
 
-from bench.conversations import Session
-from bench.multiturn import RequestRecord, WorkloadConfig, arrival_times_s, fetch_model_id, send_chat_request
+from bench.common.conversations import Session
+from bench.common.multiturn import RequestRecord, WorkloadConfig, arrival_times_s, fetch_model_id, send_chat_request
 
 
 @dataclass

@@ -7,8 +7,8 @@ each ``--think-s`` seconds (+- ``--jitter-s``, uniform) after the previous turn,
 ``--turn-blocks`` blocks each time. Block ids follow the trace's rule: equal ids = equal content,
 an id stands for its whole prefix. Seeded: the same arguments write the same file.
 
-    .venv/bin/python -m bench.synth_trace --out runs/synth.jsonl
-    .venv/bin/python bench/simulate.py --trace runs/synth.jsonl --sweep
+    .venv/bin/python -m bench.sim.synth_trace --out runs/synth.jsonl
+    .venv/bin/python bench/sim/simulate.py --trace runs/synth.jsonl --sweep
 """
 
 from __future__ import annotations

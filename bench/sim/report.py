@@ -1,4 +1,4 @@
-"""Tables and plots of the trace simulator's scenario run (``bench/simulate.py``)."""
+"""Tables and plots of the trace simulator's scenario run (``bench/sim/simulate.py``)."""
 
 from __future__ import annotations
 

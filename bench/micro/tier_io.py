@@ -2,8 +2,8 @@
 
 Run from the repository root (as a module: the file is named like the standard library's ``io``)::
 
-    .venv/bin/python -m bench.io                       # ~1 minute on 2 cores
-    .venv/bin/python -m bench.io --dir /mnt/nvme/tmp   # the disk to test (default: runs/)
+    .venv/bin/python -m bench.micro.tier_io                       # ~1 minute on 2 cores
+    .venv/bin/python -m bench.micro.tier_io --dir /mnt/nvme/tmp   # the disk to test (default: runs/)
 
 Per model shape (a page = ``page_size`` tokens of all layers, K and V), ``--repeats`` rounds,
 variants interleaved in an order rotated every round, after one discarded warm-up round:
@@ -63,7 +63,7 @@ from hiradix.dataplane.layout import KVLayout, load_layer, store_pages
 from hiradix.tiers.dram import DramPool
 from hiradix.tiers.nvme import SLOT_ALIGN, NvmeStore, align_up, kvikio_unusable_reason
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 READ_TARGET_RATIO = 0.9  # NVMe reads must reach this fraction of the raw baseline
 GB = 1e9  # bytes
 
@@ -526,7 +526,7 @@ def plot(result: dict[str, object], path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.io", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m bench.micro.tier_io", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, default=REPO_ROOT / "runs", help="parent directory on the disk to test (default: runs/)")
     parser.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"), help="tmpfs parent directory for the DRAM pool")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: runs/io-<timestamp>)")
@@ -586,7 +586,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         shutil.rmtree(shm_dir, ignore_errors=True)
     meta = machine() | {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": shlex.join([os.path.relpath(sys.executable, REPO_ROOT), "-m", "bench.io", *(argv if argv is not None else sys.argv[1:])]),
+        "command": shlex.join([os.path.relpath(sys.executable, REPO_ROOT), "-m", "bench.micro.tier_io", *(argv if argv is not None else sys.argv[1:])]),
         "file_system": fs, "direct_io": direct, "kvikio": args.kvikio or "usable", "threads": args.threads,
         "raw_chunk_mib": args.raw_chunk_mib, "pages_per_job": args.pages_per_job, "repeats": args.repeats,
         "shapes": {shape.label: asdict(shape) for shape in shapes},
@@ -602,5 +602,5 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
 if __name__ == "__main__":
     if not __package__:
-        sys.exit("run it as a module from the repository root: .venv/bin/python -m bench.io")
+        sys.exit("run it as a module from the repository root: .venv/bin/python -m bench.micro.tier_io")
     main()

@@ -17,7 +17,7 @@ store, persist). Two ways of passing the queue:
 Prints the median and a 95% bootstrap interval of the per-step time over ``--steps`` steps
 (after one warm-up step, which builds the peeks), and writes JSON. Target: <= 1 ms per step.
 
-    .venv/bin/python bench/step_cost.py                 # 1M cached tokens, W = 64 x 32k tokens
+    .venv/bin/python bench/micro/step_cost.py                 # 1M cached tokens, W = 64 x 32k tokens
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 if __package__ in (None, ""):  # run as a script: make `hiradix` and `bench` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hiradix.core.lookahead import QueuedKey  # noqa: E402
 from hiradix.core.policy import make_policy  # noqa: E402

@@ -9,7 +9,7 @@ scheduler step, busy or idle, the tree and the tier books prove their invariants
 SGLang logs ("Scheduler hit an exception") before it takes the whole server down.
 
 The load: `concurrency` client slots, each replaying multi-turn sessions
-(`bench.conversations`) through `bench.multiturn.send_chat_request` (streaming, greedy). When
+(`bench.common.conversations`) through `bench.common.multiturn.send_chat_request` (streaming, greedy). When
 a session ends its slot starts a new one, so histories keep arriving, aging, falling through
 the tiers and being dropped.
 
@@ -49,11 +49,11 @@ import msgspec
 import psutil
 from tqdm.auto import tqdm
 
-if __package__ in (None, ""):  # run as a file: python bench/soak.py
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file: python bench/soak/run.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.conversations import Session, load_sessions
-from bench.multiturn import RequestRecord, WorkloadConfig, fetch_model_id, send_chat_request
+from bench.common.conversations import Session, load_sessions
+from bench.common.multiturn import RequestRecord, WorkloadConfig, fetch_model_id, send_chat_request
 from hiradix.runtime.metrics import TIERS as METRIC_TIERS
 from hiradix.testing.resources import TreeUsage, dir_modes, private_mode_problems, tree_usage
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
@@ -89,7 +89,7 @@ class SoakConfig:
     turns: int = 4  # user turns per session
     max_tokens: int = 8  # generated tokens per turn
     max_message_chars: int = 400
-    source: str = "synthetic"  # bench.conversations source
+    source: str = "synthetic"  # bench.common.conversations source
     seed: int = 0
     check_interval_s: float = 10.0
     settle_timeout_s: float = 60.0  # how long resources may take to return to the baseline
@@ -545,7 +545,7 @@ def run_soak(config: SoakConfig) -> SoakReport:
 
 def build_parser() -> argparse.ArgumentParser:
     d = SoakConfig(out_dir=Path("."))
-    p = argparse.ArgumentParser(description="Soak a hiradix server with churned multi-turn chat; check for leaks.")
+    p = argparse.ArgumentParser(prog="python -m bench.soak", description="Soak a hiradix server with churned multi-turn chat; check for leaks.")
     p.add_argument("--duration-s", type=float, default=d.duration_s, help="load time incl. warm-up (default 1800)")
     p.add_argument("--warmup-s", type=float, default=None, help="warm-up before the baseline (default min(60, duration/8))")
     p.add_argument("--model", default=d.model, help="model directory (default models/tiny)")

@@ -13,7 +13,7 @@ For each model shape, and each order, times (minimum of ``--repeats``, interleav
 DRAM page ids and device slots are random (a pool after churn), device slots in page-aligned
 groups as in SGLang. Reproduce (about a minute on 2 cores)::
 
-    .venv/bin/python bench/layout_order.py --repeats 7 --nvme-dir /tmp
+    .venv/bin/python bench/micro/layout_order.py --repeats 7 --nvme-dir /tmp
 
 On a GPU machine add ``--device cuda`` for real HBM <-> DRAM copies (pageable DRAM, as the
 pool is today). Prints a table: milliseconds per operation and GB/s for each order, and layer/page time ratio.

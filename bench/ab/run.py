@@ -1,7 +1,7 @@
 """Paired, repeated A/B benchmark: stock SGLang (RadixAttention), the ideal cache and SGLang +
 hiradix on the same multi-turn chats, with an A/A control.
 
-How it measures (`bench.paired` has the details): per repetition, all systems' servers are
+How it measures (`bench.ab.paired` has the details): per repetition, all systems' servers are
 started at once (fresh servers each repetition, `--repeats`, default 3; they sleep when idle)
 with the same model and CPU settings (`hiradix.testing.cpu_args`). The workload advances in
 rounds: a batch of up to `--concurrency` ready requests goes to one system, then the same
@@ -9,18 +9,18 @@ batch to the next, back to back (never two systems at once: this machine has 2 c
 order rotated by one system per round. So request (repeat, session, turn) is paired across
 systems, and the load of the machine lands on all of them alike.
 
-Systems (`bench.ab_systems`): default `stock,ideal,hiradix,stock2`. `ideal` is stock
+Systems (`bench.ab.systems`): default `stock,ideal,hiradix,stock2`. `ideal` is stock
 RadixAttention whose device pool holds the run's whole working set (the limit of any prefix
 cache); `stock2` is stock again, the A/A control. `hicache`, `lru`, `lookahead` and custom
 `--system NAME="FLAGS"` can be added. Unknown `--hiradix-*` options go to the hiradix systems;
 `--server-args` to all.
 
-Workload: ShareGPT sessions (`bench.conversations`), 6 turns by default; the history carries
+Workload: ShareGPT sessions (`bench.common.conversations`), 6 turns by default; the history carries
 the model's own answers (`--history dataset`: the dataset's), answers of `--answer-tokens`
 tokens (EOS ignored); sessions arrive as a Poisson process (`--session-rate`) and think
 `--think-time-s` (exponential mean) between turns.
 
-Report (`bench.ab_report`): per turn, median TTFT and cached tokens; per repetition the paired
+Report (`bench.ab.report`): per turn, median TTFT and cached tokens; per repetition the paired
 TTFT ratios (turns >= 2) with 95% bootstrap intervals, "BIASED RUN" where the A/A interval
 excludes 1.0; per system the prefill tokens computed (responses and `/metrics`), uncached share
 and server-side median TTFT; token-identical outputs; then verdict lines and the issue's targets.
@@ -45,24 +45,24 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-if __package__ in (None, ""):  # run as a file: python bench/ab.py
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file: python bench/ab/run.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench import server_metrics
-from bench.ab_report import SystemRun, format_table, identical_fraction, per_turn_summary, verdict_lines  # noqa: F401
-from bench.ab_report import write_outputs
-from bench.ab_systems import (  # noqa: F401 (re-exported: bench.cluster and tests use them from here)
+from bench.common import server_metrics
+from bench.ab.report import SystemRun, format_table, identical_fraction, per_turn_summary, verdict_lines  # noqa: F401
+from bench.ab.report import write_outputs
+from bench.ab.systems import (  # noqa: F401 (re-exported: bench.cluster.run and tests use them from here)
     BUILTIN_SYSTEMS, DEFAULT_SYSTEMS, IDEAL, TEMPLATE_TOKENS_PER_MESSAGE, System, ideal_pool_tokens,
     kv_bytes_per_token, nvme_gb_for_run, remove_tier_files, resolve_systems, token_counter, with_ideal_pool,
     with_tier_sizes, working_set_tokens)
-from bench.conversations import Session, load_sessions
-from bench.multiturn import WorkloadConfig, add_workload_args, run_workload, workload_config_from_args
-from bench.paired import PairedConfig, PairedRecord, run_paired
-from bench.server_metrics import fetch_metrics  # noqa: F401 (re-exported)
+from bench.common.conversations import Session, load_sessions
+from bench.common.multiturn import WorkloadConfig, add_workload_args, run_workload, workload_config_from_args
+from bench.ab.paired import PairedConfig, PairedRecord, run_paired
+from bench.common.server_metrics import fetch_metrics  # noqa: F401 (re-exported)
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
 
-logger = logging.getLogger("bench.ab")
-REPO_ROOT = Path(__file__).resolve().parent.parent
+logger = logging.getLogger("bench.ab.run")
+REPO_ROOT = Path(__file__).resolve().parents[2]
 QUICK_NOTE = ("--quick is a smoke test: the tiny model's requests take a few ms, so TTFT ratios are noise, "
               "and the histories fit in DRAM, so NVMe is not used; run without --quick to see the effect")
 PAGE_NOTE = ("cached tokens are whole pages: hiradix uses --page-size 16 and caches a prompt's full pages "
@@ -166,6 +166,7 @@ def run_repeat(systems: Sequence[System], repeat: int, model_path: str, pool_tok
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        prog="python -m bench.ab",
         description="Paired A/B: stock SGLang, the ideal cache and SGLang + hiradix on multi-turn chats.",
         epilog="Unknown --hiradix-* options are passed to the systems that use --enable-hiradix.")
     parser.add_argument("--model", default=None, help=f"model dir (default {FULL_DEFAULTS['model']})")

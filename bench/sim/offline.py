@@ -18,7 +18,7 @@ simulator's ``block %``). No timing, no queue, no tiers: what the pool's bytes c
 * **LRU**: evict the least recently used block; a request touches its blocks last to first, so
   a prefix is never older than what follows it (a radix tree's leaf-first LRU).
 
-``bench/simulate.py --sweep`` sizes the pool as the scenario's DRAM + NVMe bytes (the cache
+``bench/sim/simulate.py --sweep`` sizes the pool as the scenario's DRAM + NVMe bytes (the cache
 tiers; HBM is left out: it mostly holds the running requests' KV, and under write-through its
 cached pages are copies of DRAM's).
 """

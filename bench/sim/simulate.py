@@ -39,9 +39,9 @@ Default sizes (128 KiB of KV per token, Llama-3-8B fp16): HBM 0.5 M tokens (64 G
 moderate, NVMe holding everything, as in CachedAttention, whose LRU shape (HBM only ~0%,
 + DRAM 3-20%, + SSD all) these sizes reproduce on this trace.
 
-    .venv/bin/python bench/simulate.py                          # all nine + infinite
-    .venv/bin/python bench/simulate.py --sweep                  # hit rate vs capacity, Belady (bench/sweep.py)
-    .venv/bin/python bench/simulate.py --trace my.jsonl --page-size 16 --hbm-tokens 1e6
+    .venv/bin/python bench/sim/simulate.py                          # all nine + infinite
+    .venv/bin/python bench/sim/simulate.py --sweep                  # hit rate vs capacity, Belady (bench/sim/sweep.py)
+    .venv/bin/python bench/sim/simulate.py --trace my.jsonl --page-size 16 --hbm-tokens 1e6
 
 Outputs under ``--out-dir`` (default ``runs/simulate-<time>/``): ``simulate.json`` and
 ``simulate.png`` (hit rate per scenario, split by tier).
@@ -65,11 +65,11 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 if __package__ in (None, ""):  # run as a script: make `hiradix` and `bench` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.offline import infinite_hit_rates  # noqa: E402,F401 - re-exported (tests, sweep)
-from bench.sim_report import format_table, plot  # noqa: E402
-from bench.sweep import DEFAULT_FRACTIONS, sweep_main  # noqa: E402
+from bench.sim.offline import infinite_hit_rates  # noqa: E402,F401 - re-exported (tests, sweep)
+from bench.sim.report import format_table, plot  # noqa: E402
+from bench.sim.sweep import DEFAULT_FRACTIONS, sweep_main  # noqa: E402
 from hiradix.core.policy import make_policy  # noqa: E402
 from hiradix.core.lookahead import QueuedKey  # noqa: E402
 from hiradix.core.prefix_cache import TieredPrefixCache  # noqa: E402
@@ -84,7 +84,7 @@ from hiradix.testing.sim_ports import (  # noqa: E402
 )
 
 BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake trace
-DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
+DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
 TIERS = ("hbm", "dram", "nvme")  # scenario = the lowest tier present
 
 
@@ -112,7 +112,7 @@ class SimConfig:
     token_level: bool = False  # page_size ids per page in the tree (else one per page)
     time_scale: float = 1.0  # arrival times are multiplied by this
     check_every_step: bool = False  # books.check_integrity() after every step (slow)
-    # The cluster store (bench/simulate_cluster.py): transfer rates and the latency of one lookup.
+    # The cluster store (bench/sim/cluster.py): transfer rates and the latency of one lookup.
     store_read_bytes_per_s: float = 10e9  # store -> DRAM (RDMA-class network)
     store_write_bytes_per_s: float = 10e9  # DRAM -> store
     store_query_s: float = 0.0005  # one batched exists
@@ -506,7 +506,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--scenarios", default="hbm,dram,nvme", help="lowest tiers to simulate (comma list of hbm, dram, nvme)")
     p.add_argument("--policies", default="lru,lookahead,predictive", help="comma list of policies")
     p.add_argument("--sweep", action="store_true",
-                   help="hit rate vs capacity instead (bench/sweep.py): the nvme scenario at --fractions of the "
+                   help="hit rate vs capacity instead (bench/sim/sweep.py): the nvme scenario at --fractions of the "
                         "trace's unique tokens, with Belady, LRU and the infinite cache")
     p.add_argument("--fractions", default=",".join(str(f) for f in DEFAULT_FRACTIONS),
                    help="--sweep: capacity points (DRAM + NVMe) as fractions of the trace's unique tokens")

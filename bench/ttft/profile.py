@@ -1,14 +1,14 @@
 """Where the scheduler's time goes on cached turns: py-spy over an SGLang + hiradix server.
 
-Starts SGLang + hiradix (same CPU settings as `bench.ab`), replays ShareGPT sessions round-robin
+Starts SGLang + hiradix (same CPU settings as `bench.ab.run`), replays ShareGPT sessions round-robin
 with one request in flight (turn t of every session, then turn t+1) so histories leave HBM
 between turns and come back from DRAM/NVMe, and records the scheduler process with py-spy
 (`record --format raw --idle`) during turns >= `--profile-from-turn` only. Prints the share of
 samples by inclusive frame (model forward, attention, hiradix code, prefix matching, ...) and
 the top leaf functions, and the turns' mean prompt/cached tokens and TTFT.
 
-    python -m bench.profile_ttft                      # models/small, 6 sessions x 4 turns
-    python -m bench.profile_ttft --model models/tiny --sessions 3 --turns 3
+    python -m bench.ttft.profile                      # models/small, 6 sessions x 4 turns
+    python -m bench.ttft.profile --model models/tiny --sessions 3 --turns 3
 
 Writes `runs/profile-ttft-<timestamp>/` (pyspy.raw.txt, profile.json, server.log).
 """
@@ -26,11 +26,11 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench.conversations import load_sessions
-from bench.ttft_by_tier import replay_round_robin
+from bench.common.conversations import load_sessions
+from bench.ttft.by_tier import replay_round_robin
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # Inclusive buckets: a sample counts for every bucket whose pattern appears in its stack.
 BUCKETS = {
     "model forward (prefill+decode)": "ModelRunner.forward (",
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     parser.add_argument("--nvme-gb", type=float, default=2.0)
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
-    py_spy = shutil.which("py-spy") or str(Path(__file__).resolve().parent.parent / ".venv/bin/py-spy")
+    py_spy = shutil.which("py-spy") or str(Path(__file__).resolve().parents[2] / ".venv/bin/py-spy")
     out = Path(args.out_dir or REPO_ROOT / "runs" / time.strftime("profile-ttft-%Y%m%d-%H%M%S"))
     (out / "nvme").mkdir(parents=True, exist_ok=True, mode=0o700)
     sessions = load_sessions(args.sessions, args.turns, 0, args.max_message_chars, "auto")

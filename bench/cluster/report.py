@@ -1,10 +1,10 @@
-"""Figures, table, targets, plots and files of `bench.cluster` (records in, report out).
+"""Figures, table, targets, plots and files of `bench.cluster.run` (records in, report out).
 
 Per (system, routing) cell, over all its repeats (tokens summed over requests):
     hit tokens by tier: `device` (HBM), `host` (DRAM), and the storage hits split by
         `storage_backend` into `nvme` (hiradix's local NVMe) and `store` (the cluster store:
         hiradix's `mooncake=N`, HiCache's `MooncakeStore`), each as a share of prompt tokens;
-    `ideal`: the hits of one infinite shared cache (`bench.cluster.ideal_cached_tokens`);
+    `ideal`: the hits of one infinite shared cache (`bench.cluster.run.ideal_cached_tokens`);
     prefill tokens computed: prompt - cached;
     TTFT of turns >= 2 (1-based; `turn_index >= 1`): median, 95% bootstrap interval (2,000
         resamples of the requests, seeded), and the ratio of medians to stock of the same
@@ -26,9 +26,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from bench.ab import identical_fraction
-from bench.multiturn import write_records
-from bench.stats import bootstrap_ci, ratio_ci
+from bench.ab.run import identical_fraction
+from bench.common.multiturn import write_records
+from bench.common.stats import bootstrap_ci, ratio_ci
 
 TIERS = ("device", "host", "nvme", "store")
 SYSTEM_COLORS = {"stock": "tab:gray", "stock-aa": "silver", "hicache": "tab:orange", "hiradix": "tab:blue"}
@@ -66,7 +66,7 @@ def _sum(records, field: str) -> int:
 
 
 def cell_summary(system: str, routing: str, runs: Sequence, baseline_by_repeat: dict, stock_ttfts: list[float]) -> dict:
-    """Figures of one (system, routing) over its runs (`bench.cluster.CellRun`s)."""
+    """Figures of one (system, routing) over its runs (`bench.cluster.run.CellRun`s)."""
     records = [r for run in runs for r in run.records]
     ok = [r for r in records if r.ok]
     prompt = _sum(ok, "prompt_tokens")

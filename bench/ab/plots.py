@@ -1,4 +1,4 @@
-"""The PNGs of `bench.ab`: paired ratios with intervals, prefill tokens, server-side TTFT.
+"""The PNGs of `bench.ab.run`: paired ratios with intervals, prefill tokens, server-side TTFT.
 
 `ab_verdict.png`, three panels: the paired TTFT ratios of turns >= 2 (median, whiskers = 95%
 bootstrap interval, a line at 1.0; log scale), the prefill tokens computed per system (bars from

@@ -8,7 +8,7 @@ smaller than the working set), `--page-size 16` and, where there is one, the sam
     hicache   stock SGLang HiCache + Mooncake Store: host pool `--hicache-ratio` x the HBM pool,
               L3 = the store (`hiradix.testing.mooncake.hicache_mooncake_args`; patch p05 on CPU)
     hiradix   hiradix defaults + `--hiradix-store mooncake`: `--hiradix-dram-ratio` = the same bytes
-              as HiCache's host pool (`bench.ab_systems.with_tier_sizes`); no NVMe unless `--nvme-gb`
+              as HiCache's host pool (`bench.ab.systems.with_tier_sizes`); no NVMe unless `--nvme-gb`
     stock-aa  stock again, sticky only, run first: the A/A control of this run's noise
     ideal     computed, not run: one infinite cache shared by both servers. Per request: the
               longest prefix its prompt shares with any earlier prompt of the workload, in whole
@@ -60,16 +60,17 @@ from typing import Optional, Sequence
 import aiohttp
 from tqdm.auto import tqdm
 
-if __package__ in (None, ""):  # run as a file: python bench/cluster.py
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file: python bench/cluster/run.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench import ab, cluster_report
-from bench.conversations import Session, load_sessions
-from bench.multiturn import RequestRecord, WorkloadConfig, fetch_model_id, send_chat_request
+from bench.ab import run as ab
+from bench.cluster import report as cluster_report
+from bench.common.conversations import Session, load_sessions
+from bench.common.multiturn import RequestRecord, WorkloadConfig, fetch_model_id, send_chat_request
 from hiradix.testing.mooncake import MooncakeCluster, hicache_mooncake_args, hicache_mooncake_env
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
 
-logger = logging.getLogger("bench.cluster")
+logger = logging.getLogger("bench.cluster.run")
 
 NUM_SERVERS = 2
 PAGE_TOKENS = 16
@@ -174,7 +175,7 @@ def plan_cells(systems: Sequence[str], routings: Sequence[str], repeats: int, aa
 
 def system_launch(system: str, store: Optional[MooncakeCluster], settings: BenchSettings,
                   cell_dir: Path, server_index: int) -> tuple[list[str], dict[str, str]]:
-    """Server flags and environment of one server of `system` (sizes as `bench.ab`)."""
+    """Server flags and environment of one server of `system` (sizes as `bench.ab.run`)."""
     args = cpu_args(settings.max_total_tokens) + ["--page-size", str(PAGE_TOKENS)]
     env = cpu_env()
     if system == "hicache":
@@ -321,7 +322,7 @@ async def _model_id(base_url: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Two servers behind a client-side router: stock, HiCache + "
+    parser = argparse.ArgumentParser(prog="python -m bench.cluster", description="Two servers behind a client-side router: stock, HiCache + "
                                                  "Mooncake, hiradix + Mooncake; round-robin, random, sticky.")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 4 sessions x 3 turns")
     parser.add_argument("--model", default=None, help=f"model dir (default {FULL_DEFAULTS['model']})")

@@ -1,7 +1,7 @@
 """Statistics shared by the benchmarks: percentile-bootstrap intervals of medians and of ratios.
 
-Used by `bench.cluster_report` (unpaired cells: each side resampled on its own) and by
-`bench.ab_report` (paired: the same request sent to every system, so a ratio is taken per
+Used by `bench.cluster.report` (unpaired cells: each side resampled on its own) and by
+`bench.ab.report` (paired: the same request sent to every system, so a ratio is taken per
 request and its median bootstrapped, whole sessions at a time). Intervals are percentile bootstrap intervals (Efron &
 Tibshirani, "An Introduction to the Bootstrap", ch. 13), `RESAMPLES` resamples, seeded, so the
 same values always give the same interval.

@@ -1,10 +1,10 @@
-"""Tables, verdict lines, PNGs and files of `bench.ab` (records in, report out).
+"""Tables, verdict lines, PNGs and files of `bench.ab.run` (records in, report out).
 
 Every figure is over the requests of all repetitions; a request is keyed by
-(repeat, session, turn) and was sent to every system in the same round (`bench.paired`).
+(repeat, session, turn) and was sent to every system in the same round (`bench.ab.paired`).
 
     paired TTFT ratio of system A to B: per request TTFT_A / TTFT_B; its median and the 95%
-        percentile-bootstrap interval of that median (`bench.stats.paired_ratio_ci`; whole
+        percentile-bootstrap interval of that median (`bench.common.stats.paired_ratio_ci`; whole
         (repeat, session) groups resampled, as a session's turns are not independent), over the
         requests of turns >= 2 (0-based turn index: every turn with two earlier answers);
     A/A: a duplicate system (`stock2`) against its original; a run (or a repetition) whose A/A
@@ -26,10 +26,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from bench import server_metrics
-from bench.ab_systems import IDEAL, System
-from bench.multiturn import RequestRecord, write_records
-from bench.stats import excludes_one, half_width, paired_ratio_ci, paired_ratio_items
+from bench.common import server_metrics
+from bench.ab.systems import IDEAL, System
+from bench.common.multiturn import RequestRecord, write_records
+from bench.common.stats import excludes_one, half_width, paired_ratio_ci, paired_ratio_items
 
 LATER_TURN = 2  # "turns >= 2"
 TARGET_AA_HALF_WIDTH = 0.10
@@ -294,7 +294,7 @@ def summary(runs: Sequence[SystemRun]) -> dict[str, Any]:
 
 def write_outputs(runs: Sequence[SystemRun], run_dir: Path, config: dict) -> dict:
     """records.json/.csv, summary.json, config.json, ab_verdict.png, ttft_by_turn.png; returns the summary."""
-    from bench import ab_plots
+    from bench.ab import plots as ab_plots
 
     write_records([r for run in runs for r in run.records], run_dir / "records.json", run_dir / "records.csv")
     result = summary(runs)

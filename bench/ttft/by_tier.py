@@ -9,8 +9,8 @@ classed by where its hit came from (`cached_tokens_details`: storage > 0 -> NVMe
 -> DRAM, else HBM/miss) and compared with the same request (same session and turn, same prompt)
 on stock: mean TTFT per class and the ratio.
 
-    python -m bench.ttft_by_tier                     # models/small, 10 sessions x 4 turns
-    python -m bench.ttft_by_tier --model models/tiny --sessions 4 --turns 3
+    python -m bench.ttft.by_tier                     # models/small, 10 sessions x 4 turns
+    python -m bench.ttft.by_tier --model models/tiny --sessions 4 --turns 3
 
 Writes `runs/ttft-by-tier-<timestamp>/` (records.json, summary.json, ttft_by_tier.png).
 """
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.conversations import load_sessions
-from bench.multiturn import RequestRecord, WorkloadConfig, fetch_model_id, send_chat_request
+from bench.common.conversations import load_sessions
+from bench.common.multiturn import RequestRecord, WorkloadConfig, fetch_model_id, send_chat_request
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 async def replay_round_robin(base_url: str, sessions, system: str, max_tokens: int,

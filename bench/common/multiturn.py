@@ -26,7 +26,7 @@ Where SGLang 0.5.23 reports cached tokens in a streaming chat response:
 Library:
     records = run_workload("http://127.0.0.1:33001", sessions, max_tokens=16)
 CLI:
-    python -m bench.multiturn --base-url http://127.0.0.1:33001 --sessions 8 --turns 4 --out runs/x
+    python -m bench.common.multiturn --base-url http://127.0.0.1:33001 --sessions 8 --turns 4 --out runs/x
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ from typing import Any, Iterable, Sequence
 import aiohttp
 from tqdm.auto import tqdm
 
-if __package__ in (None, ""):  # run as a file: python bench/multiturn.py
+if __package__ in (None, ""):  # run as a file: python bench/common/multiturn.py
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.conversations import Session, load_sessions
+from bench.common.conversations import Session, load_sessions
 
 logger = logging.getLogger(__name__)
 
@@ -319,7 +319,7 @@ def run_workload(base_url: str, sessions: Sequence[Session], config: WorkloadCon
 
     Args:
         base_url: e.g. `http://127.0.0.1:33001` (no `/v1`).
-        sessions: From `bench.conversations.load_sessions`.
+        sessions: From `bench.common.conversations.load_sessions`.
         config: Replay settings; keyword `overrides` replace its fields
             (e.g. `max_tokens=8, system="stock"`).
 
@@ -381,7 +381,7 @@ def _mean(values: Iterable[float | None], scale: float = 1.0) -> float:
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
-    """Add the workload options shared by this CLI and `bench/ab.py`."""
+    """Add the workload options shared by this CLI and `bench/ab/run.py`."""
     parser.add_argument("--sessions", type=int, default=8, help="number of sessions")
     parser.add_argument("--turns", type=int, default=4, help="user turns per session")
     parser.add_argument("--seed", type=int, default=0, help="conversation selection and arrival seed")

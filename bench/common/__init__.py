@@ -1,0 +1,2 @@
+"""What the benchmarks share: conversations, the streaming multi-turn client, `/metrics` figures,
+bootstrap statistics."""
