@@ -32,7 +32,8 @@ def plot_verdict(runs: Sequence, result: dict, png_path: Path) -> None:
     mid = np.array([c["median"] for c in comps], dtype=float)
     lo = np.array([c["ci"][0] for c in comps], dtype=float)
     hi = np.array([c["ci"][1] for c in comps], dtype=float)
-    colors = ["silver" if c["kind"] == "aa" else "tab:green" if c["kind"] == "vs-ideal" else "tab:blue" for c in comps]
+    colors = ["silver" if c["kind"] == "aa" else "tab:green" if c["kind"] == "vs-ideal"
+              else "tab:orange" if c["kind"] == "vs-hicache" else "tab:blue" for c in comps]
     for i in range(len(comps)):
         if np.isfinite(mid[i]):
             ax_ratio.errorbar([x[i]], [mid[i]], yerr=[[mid[i] - lo[i]], [hi[i] - mid[i]]], fmt="o", color=colors[i],

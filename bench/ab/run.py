@@ -1,19 +1,25 @@
-"""Paired, repeated A/B benchmark: stock SGLang (RadixAttention), the ideal cache and SGLang +
-hiradix on the same multi-turn chats, with an A/A control.
+"""Paired, repeated A/B benchmark: stock SGLang (RadixAttention), the ideal cache, SGLang + hiradix
+and stock SGLang HiCache on the same multi-turn chats, with an A/A control.
 
-How it measures (`bench.ab.paired` has the details): per repetition, all systems' servers are
-started at once (fresh servers each repetition, `--repeats`, default 3; they sleep when idle)
-with the same model and CPU settings (`hiradix.testing.cpu_args`). The workload advances in
-rounds: a batch of up to `--concurrency` ready requests goes to one system, then the same
-batch to the next, back to back (never two systems at once: this machine has 2 cores), in an
-order rotated by one system per round. So request (repeat, session, turn) is paired across
-systems, and the load of the machine lands on all of them alike.
+How it measures (`bench.ab.paired` has the details): all systems' servers are started at once,
+once per run, with the same model and CPU settings (`hiradix.testing.cpu_args`; they sleep when
+idle). The workload advances in rounds: a batch of up to `--concurrency` ready requests goes to
+one system, then the same batch to the next, back to back (never two systems at once: this
+machine has 2 cores), in an order that changes every round (a Williams design and its mirror:
+positions, predecessors and the order of every pair balanced). So request (repeat, session,
+turn) is paired across systems, and the load of the machine lands on all of them alike. The
+run is repeated `--repeats` times (default 3), each repetition with sessions of its own, every
+server's cache flushed in between (`/flush_cache`, waiting until hiradix's tiers read empty),
+as fresh servers would start, without paying for the start-ups again.
 
-Systems (`bench.ab.systems`): default `stock,ideal,hiradix,stock2`. `ideal` is stock
+Systems (`bench.ab.systems`): default `stock,ideal,hiradix,hicache,ideal2`. `ideal` is stock
 RadixAttention whose device pool holds the run's whole working set (the limit of any prefix
-cache); `stock2` is stock again, the A/A control. `hicache`, `lru`, `lookahead` and custom
-`--system NAME="FLAGS"` can be added. Unknown `--hiradix-*` options go to the hiradix systems;
-`--server-args` to all.
+cache); `hicache` is stock HiCache with its `file` storage backend and the same DRAM as
+hiradix; `ideal2` is the ideal again, the A/A control (an ideal caches exactly the same tokens
+whatever the arrival order, so the pair measures the machine only; two stock servers evict
+differently when the requests of a batch arrive in another order: 9,893 vs 10,612 prefill
+tokens in one repetition). `stock2`, `lru`, `lookahead` and custom `--system NAME="FLAGS"`
+can be added. Unknown `--hiradix-*` options go to the hiradix systems; `--server-args` to all.
 
 Workload: ShareGPT sessions (`bench.common.conversations`), 6 turns by default; the history carries
 the model's own answers (`--history dataset`: the dataset's), answers of `--answer-tokens`
@@ -23,12 +29,13 @@ tokens (EOS ignored); sessions arrive as a Poisson process (`--session-rate`) an
 Report (`bench.ab.report`): per turn, median TTFT and cached tokens; per repetition the paired
 TTFT ratios (turns >= 2) with 95% bootstrap intervals, "BIASED RUN" where the A/A interval
 excludes 1.0; per system the prefill tokens computed (responses and `/metrics`), uncached share
-and server-side median TTFT; token-identical outputs; then verdict lines and the issue's targets.
+and server-side median TTFT; token-identical outputs; then verdict lines (hiradix vs stock, vs
+the ideal, vs HiCache, the A/A) and the targets.
 Outputs under `runs/<timestamp>/` (or `--out-dir`): `records.json`/`.csv`, `summary.json`,
-`config.json`, `ab_verdict.png`, `ttft_by_turn.png`, and `<system>-r<repeat>.server.log`.
+`config.json`, `ab_verdict.png`, `ttft_by_turn.png`, and `<system>.server.log`.
 
-    python -m bench.ab                                 # stock, ideal, hiradix, stock2; models/small, 8 x 6, 3 repeats
-    python -m bench.ab --quick                         # tiny model, 3 sessions x 3 turns, 1 repeat (smoke test)
+    python -m bench.ab              # stock, ideal, hiradix, hicache, ideal2; models/small, 8 x 6, 3 repeats
+    python -m bench.ab --quick      # tiny model, 3 sessions x 3 turns, 1 repeat (smoke test)
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ import shlex
 import statistics
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Sequence
 
@@ -72,7 +81,7 @@ PAGE_NOTE = ("cached tokens are whole pages: hiradix uses --page-size 16 and cac
 # the last turn of the full run), so stock RadixAttention has to evict history between turns;
 # that is the situation hiradix's lower tiers are for. Answers stay short: CPU decoding is slow.
 FULL_DEFAULTS = {"model": "models/small", "sessions": 8, "turns": 6, "max_total_tokens": 2048,
-                 "max_message_chars": 600, "max_tokens": 32, "repeats": 3, "session_rate": 1.0,
+                 "max_message_chars": 600, "max_tokens": 16, "repeats": 3, "session_rate": 1.0,
                  "think_time_s": 1.0}
 QUICK_DEFAULTS = {"model": "models/tiny", "sessions": 3, "turns": 3, "max_total_tokens": 1024,
                   "max_message_chars": 300, "max_tokens": 8, "repeats": 1, "session_rate": None,
@@ -113,7 +122,7 @@ def check_fits(sessions: Sequence[Session], answer_tokens: int, pool_tokens: int
 
 
 def start_servers(stack: contextlib.ExitStack, systems: Sequence[System], model_path: str, pool_tokens: int,
-                  run_dir: Path, repeat: int, startup_timeout_s: float) -> dict[str, ServerProcess]:
+                  run_dir: Path, startup_timeout_s: float) -> dict[str, ServerProcess]:
     """Start every system's server at once and wait until all are healthy (stopped by `stack`).
 
     Raises:
@@ -122,9 +131,9 @@ def start_servers(stack: contextlib.ExitStack, systems: Sequence[System], model_
     servers = {}
     for system in systems:
         extra = cpu_args(system.max_total_tokens or pool_tokens) + list(system.server_args)
-        logger.info("[%s] repeat %d: starting server: %s", system.name, repeat, " ".join(extra))
+        logger.info("[%s] starting server: %s", system.name, " ".join(extra))
         server = ServerProcess(model_path, extra_args=extra, env=cpu_env(), startup_timeout_s=startup_timeout_s,
-                               log_path=run_dir / f"{system.name}-r{repeat}.server.log")
+                               log_path=run_dir / f"{system.name}.server.log")
         stack.callback(server.stop)
         servers[system.name] = server.start(wait=False)
     for name, server in servers.items():
@@ -133,34 +142,66 @@ def start_servers(stack: contextlib.ExitStack, systems: Sequence[System], model_
     return servers
 
 
-def run_repeat(systems: Sequence[System], repeat: int, model_path: str, pool_tokens: int,
-               sessions: Sequence[Session], config: PairedConfig, run_dir: Path,
-               startup_timeout_s: float) -> tuple[list[PairedRecord], dict]:
-    """One repetition on fresh servers; returns its records and, per system, `{startup_s,
-    workload_s, metrics}` (`metrics`: the `/metrics` delta over the workload)."""
-    with contextlib.ExitStack() as stack:
-        servers = start_servers(stack, systems, model_path, pool_tokens, run_dir, repeat, startup_timeout_s)
-        before = {}
-        for name, server in servers.items():
-            warm_up(server.base_url, config.workload, config.concurrency)
-            before[name] = server_metrics.parse_snapshot(server_metrics.fetch_metrics(server.base_url))
-        order = [s.name for s in systems]
-        order = order[repeat % len(order):] + order[: repeat % len(order)]  # round 0's order moves too
-        t0 = time.perf_counter()
-        total = sum(s.num_turns for s in sessions)
+def _tier_tokens(base_url: str) -> float:
+    """Tokens hiradix's tiers hold now (`sglang:hiradix_tier_used_tokens`, all tiers); 0 without hiradix."""
+    text = server_metrics.fetch_metrics(base_url)
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("sglang:hiradix_tier_used_tokens{"))
 
-        def progress(round_index: int, done: int) -> None:
-            logger.info("repeat %d round %d: %d/%d requests per system done (%.0f s)", repeat, round_index, done,
-                        total, time.perf_counter() - t0)
 
-        records = asyncio.run(run_paired({n: servers[n].base_url for n in order}, sessions,
-                                         dataclasses.replace(config, repeat=repeat), progress))
-        workload_s = time.perf_counter() - t0
-        info = {}
-        for name, server in servers.items():
-            after = server_metrics.parse_snapshot(server_metrics.fetch_metrics(server.base_url))
-            info[name] = {"startup_s": server.startup_s or float("nan"), "workload_s": workload_s,
-                          "metrics": server_metrics.delta(after, before[name])}
+def flush_caches(servers: dict[str, ServerProcess], timeout_s: float = 120.0, poll_s: float = 0.5) -> None:
+    """Empty every server's prefix cache between repetitions, as fresh servers would start.
+
+    `POST /flush_cache` (SGLang's endpoint; it refuses while requests are queued or running, so it is
+    retried), then, on hiradix servers, wait until every tier gauge reads 0 (pages of transfers in
+    flight are freed when their I/O lands). HiCache's storage files stay, but each repetition has
+    sessions of its own, so nothing of an earlier one can hit.
+
+    Raises:
+        TimeoutError: A server's cache is not empty after `timeout_s`.
+    """
+    for name, server in servers.items():
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                request = urllib.request.Request(server.base_url + "/flush_cache", method="POST")
+                with urllib.request.urlopen(request, timeout=30) as resp:
+                    flushed = resp.status == 200
+            except urllib.error.HTTPError:
+                flushed = False
+            if flushed and _tier_tokens(server.base_url) == 0:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"[{name}] cache not empty {timeout_s:.0f} s after /flush_cache")
+            time.sleep(poll_s)  # the idle scheduler steps about once a second
+        logger.info("[%s] cache flushed", name)
+
+
+def run_repeat(servers: dict[str, ServerProcess], systems: Sequence[System], repeat: int,
+               sessions: Sequence[Session], config: PairedConfig) -> tuple[list[PairedRecord], dict]:
+    """One repetition on servers with empty caches; returns its records and, per system,
+    `{startup_s, workload_s, metrics}` (`metrics`: the `/metrics` delta over the workload)."""
+    before = {}
+    for name, server in servers.items():
+        warm_up(server.base_url, config.workload, config.concurrency)
+        before[name] = server_metrics.parse_snapshot(server_metrics.fetch_metrics(server.base_url))
+    order = [s.name for s in systems]
+    order = order[repeat % len(order):] + order[: repeat % len(order)]  # round 0's order moves too
+    t0 = time.perf_counter()
+    total = sum(s.num_turns for s in sessions)
+
+    def progress(round_index: int, done: int) -> None:
+        logger.info("repeat %d round %d: %d/%d requests per system done (%.0f s)", repeat, round_index, done,
+                    total, time.perf_counter() - t0)
+
+    records = asyncio.run(run_paired({n: servers[n].base_url for n in order}, sessions,
+                                     dataclasses.replace(config, repeat=repeat), progress))
+    workload_s = time.perf_counter() - t0
+    info = {}
+    for name, server in servers.items():
+        after = server_metrics.parse_snapshot(server_metrics.fetch_metrics(server.base_url))
+        info[name] = {"startup_s": server.startup_s or float("nan"), "workload_s": workload_s,
+                      "metrics": server_metrics.delta(after, before[name])}
     return records, info
 
 
@@ -229,7 +270,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
 
 
 def prepare(args: argparse.Namespace, hiradix_args: Sequence[str], run_dir: Path):
-    """Resolve the model, sessions, systems (tier sizes, the ideal's pool) and the paired config.
+    """Resolve the model, the sessions of each repetition, the systems (tier sizes, the ideal's
+    pool) and the paired config.
 
     Raises:
         SystemExit: If the model is missing.
@@ -242,22 +284,26 @@ def prepare(args: argparse.Namespace, hiradix_args: Sequence[str], run_dir: Path
     if not model_path.exists():
         raise SystemExit(f"model {args.model} not found; build it with scripts/make_model.py "
                          f"--preset {'tiny' if args.quick else 'small'} --out {args.model}")
-    sessions = load_sessions(args.sessions, args.turns, args.seed, args.max_message_chars, args.source)
+    # Sessions of their own per repetition: the caches are flushed in between, and nothing of an
+    # earlier repetition can hit a tier a flush does not empty (HiCache's storage files).
+    every = load_sessions(args.sessions * args.repeats, args.turns, args.seed, args.max_message_chars, args.source)
+    by_repeat = [every[r * args.sessions:(r + 1) * args.sessions] for r in range(args.repeats)]
     own = args.history == "own"
     counter = token_counter(model_path)
-    check_fits(sessions, args.max_tokens, args.max_total_tokens, counter, own)
+    check_fits(every, args.max_tokens, args.max_total_tokens, counter, own)
     per_token = kv_bytes_per_token(model_path)
     device_bytes = args.max_total_tokens * per_token
-    nvme_gb, why = nvme_gb_for_run(args.nvme_gb, sessions, args.max_tokens, per_token,
+    biggest = max(by_repeat, key=lambda ss: working_set_tokens(ss, args.max_tokens, counter, own))
+    nvme_gb, why = nvme_gb_for_run(args.nvme_gb, biggest, args.max_tokens, per_token,
                                    int(args.dram_ratio * device_bytes), counter, own)
     if any("--enable-hiradix" in s.server_args for s in systems):
         logger.info("hiradix NVMe tier: %s", why)
-    ideal_pool = max(args.max_total_tokens, ideal_pool_tokens(working_set_tokens(sessions, args.max_tokens, counter, own)))
+    ideal_pool = max(args.max_total_tokens, ideal_pool_tokens(working_set_tokens(biggest, args.max_tokens, counter, own)))
     systems = with_ideal_pool(with_tier_sizes(systems, args.dram_ratio, nvme_gb, device_bytes, run_dir), ideal_pool)
     workload = workload_config_from_args(args, ignore_eos=not args.stop_at_eos, progress=False,
                                          session_rate_per_s=args.session_rate or None)
     config = PairedConfig(workload, concurrency=args.concurrency, own_answers=own)
-    return model_path, sessions, systems, config, ideal_pool
+    return model_path, by_repeat, systems, config, ideal_pool
 
 
 def collect(systems: Sequence[System], repeats: list[tuple[list[PairedRecord], dict]], run_dir: Path) -> list[SystemRun]:
@@ -267,45 +313,40 @@ def collect(systems: Sequence[System], repeats: list[tuple[list[PairedRecord], d
         records = [r for recs, _ in repeats for r in recs if r.system == system.name]
         info = [inf[system.name] for _, inf in repeats]
         runs.append(SystemRun(system, records, statistics.median(i["startup_s"] for i in info),
-                              sum(i["workload_s"] for i in info), str(run_dir / f"{system.name}-r0.server.log"),
+                              sum(i["workload_s"] for i in info), str(run_dir / f"{system.name}.server.log"),
                               [i["metrics"] for i in info]))
     return runs
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the paired A/B benchmark; returns the process exit code (1 if any request failed)."""
-    args, hiradix_args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    run_dir = Path(args.out_dir) if args.out_dir else REPO_ROOT / "runs" / time.strftime("%Y%m%d-%H%M%S")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    model_path, sessions, systems, config, ideal_pool = prepare(args, hiradix_args, run_dir)
-    logger.info("%d sessions x %d turns from %s; systems: %s; %d repeats; ideal pool %d tokens; results in %s",
-                len(sessions), args.turns, sessions[0].source, ", ".join(s.name for s in systems), args.repeats,
-                ideal_pool, run_dir)
-    if args.quick:
-        logger.info("%s", QUICK_NOTE)
-    t0 = time.perf_counter()
+def run_all(args: argparse.Namespace, model_path: Path, by_repeat: list, systems: Sequence[System],
+            config: PairedConfig, run_dir: Path) -> list[tuple[list[PairedRecord], dict]]:
+    """Start every server once, then the repetitions, each on flushed caches; stops the servers."""
     repeats = []
+    t0 = time.perf_counter()
     try:
-        for repeat in range(args.repeats):
-            repeats.append(run_repeat(systems, repeat, str(model_path), args.max_total_tokens, sessions, config,
-                                      run_dir, args.startup_timeout_s))
-            logger.info("repeat %d done after %.0f s", repeat, time.perf_counter() - t0)
-            remove_tier_files(run_dir, keep_dirs=True)  # a fresh server gets empty tiers
+        with contextlib.ExitStack() as stack:
+            servers = start_servers(stack, systems, str(model_path), args.max_total_tokens, run_dir,
+                                    args.startup_timeout_s)
+            logger.info("all servers healthy after %.0f s", time.perf_counter() - t0)
+            for repeat, sessions in enumerate(by_repeat):
+                if repeat:
+                    flush_caches(servers)
+                repeats.append(run_repeat(servers, systems, repeat, sessions, config))
+                logger.info("repeat %d done after %.0f s", repeat, time.perf_counter() - t0)
     finally:
         if not args.keep_tier_files:
             remove_tier_files(run_dir)
-    total_s = time.perf_counter() - t0
-    runs = collect(systems, repeats, run_dir)
-    run_config = {**vars(args), "model": str(model_path), "hiradix_args": hiradix_args, "ideal_pool_tokens": ideal_pool,
-                  "session_ids": [s.session_id for s in sessions], "session_source": sessions[0].source,
-                  "systems_resolved": [dataclasses.asdict(s) for s in systems], "total_s": total_s}
-    result = write_outputs(runs, run_dir, run_config)
+    return repeats
+
+
+def print_report(args: argparse.Namespace, runs: list[SystemRun], result: dict, model_path: Path,
+                 by_repeat: list, run_dir: Path, ideal_pool: int, total_s: float) -> None:
+    """The table, the notes and the verdict lines on stdout."""
     print()
-    print(f"model {model_path.name}, {len(sessions)} sessions x {args.turns} turns ({sessions[0].source}), "
-          f"history: {args.history} answers of {args.max_tokens} tokens, {args.repeats} repeat(s), "
-          f"max_total_tokens {args.max_total_tokens} (ideal {ideal_pool}), concurrency {args.concurrency}")
+    print(f"model {model_path.name}, {len(by_repeat[0])} sessions x {args.turns} turns per repeat "
+          f"({by_repeat[0][0].source}), history: {args.history} answers of {args.max_tokens} tokens, "
+          f"{args.repeats} repeat(s), max_total_tokens {args.max_total_tokens} (ideal {ideal_pool}), "
+          f"concurrency {args.concurrency}")
     print(format_table(runs))
     if any("--enable-hiradix" in run.system.server_args for run in runs):
         print("note: " + PAGE_NOTE)
@@ -317,6 +358,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("  " + line)
     for t in result["targets"]:
         print(f"  target: {t['target']}: {t['measured']} -> {'MET' if t['met'] else 'MISSED'}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the paired A/B benchmark; returns the process exit code (1 if any request failed)."""
+    args, hiradix_args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    run_dir = Path(args.out_dir) if args.out_dir else REPO_ROOT / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model_path, by_repeat, systems, config, ideal_pool = prepare(args, hiradix_args, run_dir)
+    logger.info("%d repeat(s) of %d sessions x %d turns from %s; systems: %s; ideal pool %d tokens; results in %s",
+                args.repeats, args.sessions, args.turns, by_repeat[0][0].source, ", ".join(s.name for s in systems),
+                ideal_pool, run_dir)
+    if args.quick:
+        logger.info("%s", QUICK_NOTE)
+    t0 = time.perf_counter()
+    repeats = run_all(args, model_path, by_repeat, systems, config, run_dir)
+    total_s = time.perf_counter() - t0
+    runs = collect(systems, repeats, run_dir)
+    run_config = {**vars(args), "model": str(model_path), "hiradix_args": hiradix_args, "ideal_pool_tokens": ideal_pool,
+                  "session_ids": [[s.session_id for s in ss] for ss in by_repeat],
+                  "session_source": by_repeat[0][0].source,
+                  "systems_resolved": [dataclasses.asdict(s) for s in systems], "total_s": total_s}
+    result = write_outputs(runs, run_dir, run_config)
+    print_report(args, runs, result, model_path, by_repeat, run_dir, ideal_pool, total_s)
     return 1 if any(not r.ok for run in runs for r in run.records) else 0
 
 

@@ -1,7 +1,7 @@
 """The systems `bench.ab.run` compares: names, server flags, equal tier sizes, the ideal's pool.
 
 A system is a name plus extra server flags (and, for `ideal`, its own device pool). Built-in
-names (`BUILTIN_SYSTEMS`): `stock` (RadixAttention), `ideal` (stock RadixAttention whose device
+names (`BUILTIN_SYSTEMS`; the default set is `DEFAULT_SYSTEMS`): `stock` (RadixAttention), `ideal` (stock RadixAttention whose device
 pool holds the run's whole working set: the limit any prefix cache of 16-token pages, hiradix's
 default page size, can reach; its `--max-total-tokens` is `ideal_pool_tokens`), `hicache` (stock SGLang HiCache with its `file`
 storage backend), `lru` and `lookahead` (hiradix with that policy), `hiradix` (hiradix
@@ -24,9 +24,12 @@ from bench.common.conversations import Session
 
 BUILTIN_SYSTEMS: dict[str, tuple[str, ...]] = {
     "stock": (),
-    # Stock SGLang HiCache: host DRAM pool plus its `file` storage backend (one file per page).
+    # Stock SGLang HiCache: host DRAM pool plus its `file` storage backend (one file per page), the
+    # NVMe-like tier a HiCache user adds; pages of 16 tokens like hiradix's (SGLang's default of 1
+    # would make every token a storage object).
     "hicache": ("--enable-hierarchical-cache", "--hicache-io-backend", "direct",
-                "--hicache-mem-layout", "layer_first", "--hicache-storage-backend", "file"),
+                "--hicache-mem-layout", "layer_first", "--hicache-storage-backend", "file",
+                "--page-size", "16"),
     "lru": ("--enable-hiradix", "--hiradix-policy", "lru"),
     "lookahead": ("--enable-hiradix", "--hiradix-policy", "lookahead"),
     "hiradix": ("--enable-hiradix",),  # the defaults (policy lookahead)
@@ -35,7 +38,8 @@ BUILTIN_SYSTEMS: dict[str, tuple[str, ...]] = {
     "ideal": ("--page-size", "16"),
 }  # fmt: skip
 IDEAL = "ideal"
-DEFAULT_SYSTEMS = "stock,ideal,hiradix,stock2"
+HICACHE = "hicache"  # stock SGLang HiCache: hiradix systems are also compared with it
+DEFAULT_SYSTEMS = "stock,ideal,hiradix,hicache,ideal2"
 TEMPLATE_TOKENS_PER_MESSAGE = 16  # chat-template tokens around a message (upper bound, local models)
 @dataclass(frozen=True)
 class System:

@@ -81,7 +81,7 @@ def cpu_args(max_total_tokens: int) -> list[str]:
     ]  # fmt: skip
 
 
-def cpu_env(tp_size: int = 1) -> dict[str, str]:
+def cpu_env(tp_size: int = 1, threads_per_rank: int | None = 1) -> dict[str, str]:
     """Environment variables SGLang 0.5.23 needs on a CPU-only machine.
 
     `SGLANG_USE_CPU_ENGINE=1`: without it the rotary embedding tries to import vLLM's ops.
@@ -90,18 +90,28 @@ def cpu_env(tp_size: int = 1) -> dict[str, str]:
     for SGLang 0.5.23's launcher, which then sleeps 5 s to take py-spy dumps and CUDA
     coredumps (`TokenizerManager` crash path); neither exists on a CPU-only machine, so a
     stop takes ~2 s instead of ~7 s.
+    `OMP_NUM_THREADS` (``threads_per_rank``, default 1; None leaves PyTorch's default, one
+    thread per core): measured here (2 cores), 40 tiny-model chat requests took 1.5 s with
+    PyTorch's two threads and 42.7 s once one other process kept a core busy (each parallel
+    region waits for the descheduled thread); with one thread, 1.75 s and 1.9 s. Tests run
+    several servers and clients at once, so they keep it at 1.
     With `--tp-size N` > 1, `SGLANG_CPU_OMP_THREADS_BIND` gives each rank its CPUs ("0|1" for
     two ranks on cores 0 and 1; the cores are shared round-robin when there are fewer):
     without it stock SGLang fails in `init_threads_binding`.
 
     Args:
         tp_size: the server's `--tp-size`.
+        threads_per_rank: PyTorch/OpenMP threads of each scheduler process; None: PyTorch's default.
 
     Returns:
         Variables to merge into the server's environment (`ServerProcess(env=...)`).
     """
     env = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
            "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
+    if threads_per_rank is not None:
+        if threads_per_rank < 1:
+            raise ValueError(f"threads_per_rank must be >= 1 or None, got {threads_per_rank}")
+        env["OMP_NUM_THREADS"] = str(threads_per_rank)
     if tp_size > 1:
         cores = max(1, os.cpu_count() or 1)
         env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % cores) for rank in range(tp_size))

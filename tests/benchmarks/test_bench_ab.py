@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -63,13 +64,22 @@ def test_excludes_one_and_half_width():
 # ---------------------------------------------------------------- paired schedule
 
 
-def test_rotation_puts_every_system_in_every_position_once():
-    names = ["stock", "ideal", "hiradix", "stock2"]
-    orders = [rotation(names, r) for r in range(4)]
-    assert orders[0] == names and orders[1] == ["ideal", "hiradix", "stock2", "stock"]
-    for position in range(4):
-        assert sorted(order[position] for order in orders) == sorted(names)
-    assert rotation(names, 5) == orders[1]
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_rotation_balances_positions_predecessors_and_the_order_of_every_pair(n):
+    names = [f"s{i}" for i in range(n)]
+    orders = [rotation(names, r) for r in range(2 * n)]
+    assert orders[0][0] == names[0] and orders[n] == orders[0][::-1]
+    for order in orders:
+        assert sorted(order) == names
+    for position in range(n):  # every system twice in every position
+        assert sorted(order[position] for order in orders) == sorted(names * 2)
+    follows = Counter((order[i - 1], order[i]) for order in orders for i in range(1, n))
+    assert len(set(follows.values())) == 1 and len(follows) == n * (n - 1)  # each ordered pair equally often
+    for a in names:  # every pair meets at each distance as often in one order as in the other
+        for b in names:
+            offsets = [order.index(b) - order.index(a) for order in orders]
+            assert sorted(offsets) == sorted(-x for x in offsets), (a, b, offsets)
+    assert rotation(names, 2 * n + 1) == orders[1]
 
 
 def test_next_batch_takes_ready_sessions_earliest_first():
@@ -119,7 +129,7 @@ def test_run_paired_sends_each_request_to_every_system_with_its_own_history():
         assert sorted(r.system for r in pair) == ["A", "B"] and len({r.round_index for r in pair}) == 1
         assert {r.position for r in pair} == {0, 1}
     first = {r.round_index: r.system for r in records if r.position == 0}
-    assert first[0] == "A" and first[1] == "B" and first[2] == "A"  # rotated per round
+    assert [first[r] for r in range(4)] == ["A", "B", "B", "A"]  # rotated, and reversed every other round
     # the history sent to each server carries that server's own answers, never the dataset's
     later_a = [body for body in a.requests if len(body["messages"]) == 5]
     later_b = [body for body in b.requests if len(body["messages"]) == 5]

@@ -275,12 +275,12 @@ def test_nvme_is_sized_to_the_run_and_removed_after(tmp_path):
 def test_parse_args_quick_defaults_and_rejects_stray_options():
     args, passthrough = ab.parse_args(["--quick", "--hiradix-dram-gb", "3"])
     assert (args.model, args.sessions, args.turns, args.max_total_tokens) == ("models/tiny", 3, 3, 1024)
-    assert passthrough == ["--hiradix-dram-gb", "3"] and args.systems == "stock,ideal,hiradix,stock2"
+    assert passthrough == ["--hiradix-dram-gb", "3"] and args.systems == "stock,ideal,hiradix,hicache,ideal2"
     assert args.repeats == 1 and args.session_rate is None and args.history == "own"
     args, _ = ab.parse_args(["--quick", "--sessions", "5"])
     assert args.sessions == 5 and args.max_message_chars == 300
     args, _ = ab.parse_args([])
-    assert (args.model, args.sessions, args.turns, args.max_tokens, args.repeats) == ("models/small", 8, 6, 32, 3)
+    assert (args.model, args.sessions, args.turns, args.max_tokens, args.repeats) == ("models/small", 8, 6, 16, 3)
     assert (args.session_rate, args.think_time_s) == (1.0, 1.0)  # Poisson arrivals, think time
     args, _ = ab.parse_args(["--answer-tokens", "48", "--max-total-tokens", "4096", "--repeats", "5"])
     assert (args.max_tokens, args.max_total_tokens, args.repeats) == (48, 4096, 5)  # explicit values win
@@ -383,7 +383,11 @@ def test_cpu_args_are_explicit():
     assert {"--sleep-on-idle", "--enable-cache-report", "--enable-metrics"} <= set(args)
     assert args[args.index("--attention-backend") + 1] == "torch_native"
     assert cpu_env() == {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
-                         "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
+                         "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0", "OMP_NUM_THREADS": "1"}
+    assert "OMP_NUM_THREADS" not in cpu_env(threads_per_rank=None)
+    assert cpu_env(tp_size=2, threads_per_rank=2)["OMP_NUM_THREADS"] == "2"
+    with pytest.raises(ValueError):
+        cpu_env(threads_per_rank=0)
     with pytest.raises(ValueError):
         cpu_args(0)
 
@@ -417,25 +421,26 @@ def test_e2e_real_server_records(stock_server):
 
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
-def test_e2e_ab_quick_stock(tiny_model, tmp_path, capsys):
-    # a pool large enough for all three histories, so every later turn must hit the cache
-    code = ab.main(["--quick", "--systems", "stock,ideal,hiradix,stock2", "--model", str(tiny_model),
-                    "--out-dir", str(tmp_path)])
+def test_e2e_ab_quick_default_systems(tiny_model, tmp_path, capsys):
+    # scripts/demo --quick: the default systems (stock, ideal, hiradix, hicache, ideal2) on the tiny
+    # model; a pool large enough for all three histories, so every later turn must hit the cache
+    code = ab.main(["--quick", "--model", str(tiny_model), "--out-dir", str(tmp_path)])
     assert code == 0
+    names = ("stock", "ideal", "hiradix", "hicache", "ideal2")
     records = read_records(tmp_path / "records.json", PairedRecord)
-    assert len(records) == 4 * 9 and all(r.ok for r in records)
-    by_system = {name: [r for r in records if r.system == name] for name in ("stock", "ideal", "hiradix", "stock2")}
+    assert len(records) == len(names) * 9 and all(r.ok for r in records)
+    by_system = {name: [r for r in records if r.system == name] for name in names}
     assert all(len(rs) == 9 for rs in by_system.values())
     # the ideal pool holds every history: each later turn reuses the whole previous prompt + its own answer
     for r in by_system["ideal"]:
         if r.turn_index > 0:
             prev = next(p for p in by_system["ideal"] if (p.session_index, p.turn_index) == (r.session_index, r.turn_index - 1))
             assert r.cached_tokens >= prev.prompt_tokens - 4 - 15 and r.cached_tokens % 16 == 0  # whole pages of 16
-    # paired: every (session, turn) went to all four systems in the same round, in four distinct positions
+    # paired: every (session, turn) went to all five systems in the same round, in five distinct positions
     rounds = {(r.session_index, r.turn_index): set() for r in records}
     for r in records:
         rounds[(r.session_index, r.turn_index)].add((r.round_index, r.position))
-    assert all(len({rd for rd, _ in v}) == 1 and {p for _, p in v} == {0, 1, 2, 3} for v in rounds.values())
+    assert all(len({rd for rd, _ in v}) == 1 and {p for _, p in v} == set(range(len(names))) for v in rounds.values())
     summary = json.loads((tmp_path / "summary.json").read_text())
     config = json.loads((tmp_path / "config.json").read_text())
     assert summary["systems"]["ideal"]["max_total_tokens"] == config["ideal_pool_tokens"] >= 1024
@@ -445,5 +450,7 @@ def test_e2e_ab_quick_stock(tiny_model, tmp_path, capsys):
     out = capsys.readouterr().out
     verdicts = out[out.index("verdict ("):]
     assert "hiradix vs stock, turns >= 2: TTFT " in verdicts and "hiradix vs ideal, turns >= 2" in verdicts
-    assert "A/A stock2 vs stock, turns >= 2: TTFT " in verdicts
-    assert "token-identical outputs stock2 vs stock: 9/9" in out
+    assert "hiradix vs HiCache, turns >= 2: TTFT " in verdicts
+    assert "A/A ideal2 vs ideal, turns >= 2: TTFT " in verdicts
+    for name in names[1:]:
+        assert f"token-identical outputs {name} vs stock: 9/9" in out

@@ -66,11 +66,11 @@ def test_exceptions_reach_the_future():
 
 
 def test_worker_runs_a_read_before_queued_writes(spec, pool, monkeypatch):
-    # One NVMe thread; every write waits 3 s first (a slow disk). Slot 5 is written beforehand.
+    # One NVMe thread; every write waits 1 s first (a slow disk). Slot 5 is written beforehand.
     # Then write 1, write 2 and a read a request waits for are sent together: whichever job the
     # thread took first, the read does not wait behind write 2 (nor behind write 1 unless write 1
     # was already running: jobs are never interrupted).
-    monkeypatch.setenv("HIRADIX_FAULTS", "store_delay_s=3")
+    monkeypatch.setenv("HIRADIX_FAULTS", "store_delay_s=1")
     client = IOWorkerClient(msgspec.structs.replace(spec, threads=1), ready_timeout_s=WAIT_S)
     try:
         client.start()

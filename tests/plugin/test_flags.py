@@ -4,10 +4,10 @@ Three kinds of test:
 - unit tests of `HiRadixConfig`, the model-architecture rules and the hook self-check;
 - in-process parsing through SGLang's own `add_cli_args`/`from_cli_args` (unwrapped)
   followed by our hook functions, so no global monkey-patching leaks into this process;
-- real `python -m sglang.launch_server` subprocesses (own session, killed in `finally`)
-  for each refused combination: exit status 2 within 30 s, one "hiradix: ..." line on
-  stderr naming the flag, and no model loaded. These only need the launcher to reach
-  argument parsing/resolution; tests marked `e2e` start a real server on models/tiny.
+- a few real `python -m sglang.launch_server` subprocesses (own session, killed in
+  `finally`) that prove the wiring: exit status 2 within 30 s, one "hiradix: ..." line on
+  stderr naming the flag, and no model loaded; and the shared session servers' logs. Both
+  are marked `e2e` (they start the real launcher), so `-m "not e2e"` runs only the first two.
 """
 
 from __future__ import annotations
@@ -109,11 +109,24 @@ class Finished:
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
-    """Kill the session we started for `proc` (the launcher and anything it spawned)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    """Kill the session we started for `proc` (the launcher and anything it spawned).
+
+    Once the launcher is reaped its pid may belong to a new, unrelated process (and its group),
+    so after that only members of its group created while it lived are killed, by PID.
+    """
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # not reaped yet: the group id is still ours
+        except (ProcessLookupError, PermissionError):
+            pass
+    else:
+        ended = time.time()
+        for p in psutil.process_iter(["pid", "create_time"]):
+            try:
+                if p.pid != os.getpid() and os.getpgid(p.pid) == proc.pid and p.info["create_time"] <= ended:
+                    p.kill()
+            except (ProcessLookupError, psutil.Error, PermissionError):
+                continue
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
@@ -221,6 +234,7 @@ def test_refusals_name_the_flag(monkeypatch, capsys, llama_dir, cpu_flags, extra
 
 @pytest.mark.parametrize("extra, expected", [r[1:] for r in REFUSALS if r[0] in LAUNCHER_REFUSALS],
                          ids=[r[0] for r in REFUSALS if r[0] in LAUNCHER_REFUSALS])
+@pytest.mark.e2e
 def test_launcher_refuses_before_loading(
     venv_python, cpu_env, cpu_flags, llama_dir, tmp_path, extra, expected
 ):
@@ -238,6 +252,7 @@ def test_refuses_nvme_path_that_is_a_file(monkeypatch, capsys, cpu_flags, llama_
     assert file_path.read_text() == "x"
 
 
+@pytest.mark.e2e
 def test_launcher_refuses_missing_nvme_path(venv_python, cpu_env, cpu_flags, llama_dir, tmp_path):
     missing = tmp_path / "no" / "such"
     args = ["--model-path", str(llama_dir), *cpu_flags, "--enable-hiradix",
@@ -282,6 +297,7 @@ def test_refuses_unsupported_architecture(monkeypatch, capsys, cpu_flags, tmp_pa
     assert f"--model-path {model_dir} is" in line and expected in line, line
 
 
+@pytest.mark.e2e
 def test_launcher_refuses_unsupported_architecture(venv_python, cpu_env, cpu_flags, tmp_path):
     model_dir = write_model_dir(tmp_path, "model", SWA_HYBRID_CONFIG)
     args = ["--model-path", str(model_dir), *cpu_flags, "--enable-hiradix"]
@@ -289,6 +305,7 @@ def test_launcher_refuses_unsupported_architecture(venv_python, cpu_env, cpu_fla
                    "a hybrid-attention model")
 
 
+@pytest.mark.e2e
 def test_launcher_refuses_when_resolution_disables_radix_cache(venv_python, cpu_env, cpu_flags, tmp_path):
     # config.json passes our rules; SGLang's resolution then forces --disable-radix-cache
     # for HRM-Text. The resolve_once hook refuses in the launcher, before any subprocess.
@@ -301,6 +318,7 @@ def test_launcher_refuses_when_resolution_disables_radix_cache(venv_python, cpu_
     )
 
 
+@pytest.mark.e2e
 def test_help_lists_hiradix_flags(venv_python, cpu_env, tmp_path):
     result = launch(venv_python, ["--help"], cpu_env, tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -310,6 +328,7 @@ def test_help_lists_hiradix_flags(venv_python, cpu_env, tmp_path):
     assert "{lru,lookahead,predictive}" in help_text and "{write_through,write_back}" in help_text
 
 
+@pytest.mark.e2e
 def test_valid_config_is_accepted_by_the_launcher(venv_python, cpu_env, cpu_flags, llama_dir, tmp_path):
     # The launcher passes every hiradix check and logs the config; with no tokenizer
     # in llama_dir SGLang itself fails afterwards, which is not hiradix's concern.
@@ -346,6 +365,7 @@ _UNDO_FROM_CLI_ARGS_HOOK = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e
 def test_enable_refuses_when_a_hook_is_not_installed(venv_python, cpu_env, llama_dir, tmp_path):
     base = ["-c", _UNDO_FROM_CLI_ARGS_HOOK, "--model-path", str(llama_dir)]
     refused = run_python(venv_python, [*base, "--enable-hiradix"], cpu_env, tmp_path)
@@ -359,6 +379,7 @@ def test_enable_refuses_when_a_hook_is_not_installed(venv_python, cpu_env, llama
     assert "PARSED None" in stock.stdout
 
 
+@pytest.mark.e2e
 def test_enable_refuses_when_package_is_shadowed(venv_python, cpu_env, cpu_flags, llama_dir, tmp_path):
     # A folder named hiradix in the working directory is imported as the package; with
     # the editable install the plugin's own modules still load from the repository.
@@ -372,6 +393,7 @@ def test_enable_refuses_when_package_is_shadowed(venv_python, cpu_env, cpu_flags
     )
 
 
+@pytest.mark.e2e
 def test_plugin_that_fails_to_import_cannot_run_silently(venv_python, cpu_env, cpu_flags, llama_dir, tmp_path):
     # A shadowing folder whose plugin module fails: SGLang only logs the failure and
     # drops the plugin, so --enable-hiradix becomes an unknown flag (argparse exits 2).
@@ -421,6 +443,7 @@ def _dump(python: str, argv: list[str], env: dict, cwd: Path) -> dict:
     return json.loads(line[len("DUMP"):])
 
 
+@pytest.mark.e2e
 def test_without_enable_hiradix_parsing_and_resolution_match_stock(
     venv_python, cpu_env, cpu_flags, llama_dir, tmp_path
 ):

@@ -337,3 +337,30 @@ def test_a_closed_client_answers_false_without_crashing(cluster, arena):
     assert backend.exists(["closed/a"]) == [False]
     assert backend.get(["closed/a"], pages(arena, [80])) == [False]
     assert backend.put(["closed/b"], pages(arena, [0])) == [False]
+
+
+def test_close_returns_by_its_deadline_when_the_client_teardown_hangs(monkeypatch, caplog):
+    """Mooncake's teardown once hung joining a transfer lane: close() waits CLOSE_TIMEOUT_S, warns, returns."""
+    import threading
+
+    from hiradix.tiers.store import mooncake as mooncake_backend
+
+    release, closing = threading.Event(), threading.Event()
+
+    class HangingClient:
+        def close(self):
+            closing.set()
+            release.wait(30)
+
+    monkeypatch.setattr(mooncake_backend, "CLOSE_TIMEOUT_S", 0.2)
+    backend = MooncakeStore.__new__(MooncakeStore)
+    backend._lock, backend._store = threading.Lock(), HangingClient()
+    try:
+        started = time.monotonic()
+        backend.close()
+        assert closing.is_set() and time.monotonic() - started < 5
+        assert "did not finish within" in caplog.text
+        backend.close()  # idempotent: nothing left to close
+        assert isinstance(mooncake_backend._STUCK_CLOSING[-1], HangingClient)
+    finally:
+        release.set()

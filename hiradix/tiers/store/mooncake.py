@@ -50,6 +50,7 @@ from hiradix.tiers.store.framing import (
 )
 
 logger = logging.getLogger(__name__)
+CLOSE_TIMEOUT_S = 10.0  # MooncakeStore.close waits at most this long for the client teardown
 
 # Mooncake error codes seen with 0.3.13.post1 (its log names them), for messages and counters.
 ERROR_NAMES: dict[int, str] = {
@@ -216,14 +217,31 @@ class MooncakeStore:
         return self._batched(keys, lambda lo, hi: self._exists_chunk(keys[lo:hi]))
 
     def close(self) -> None:
-        """Leave the store (objects in this client's own segment go with it); idempotent."""
+        """Leave the store (objects in this client's own segment go with it); idempotent.
+
+        Waits at most ``CLOSE_TIMEOUT_S``: Mooncake 0.3.13's teardown joins its TCP transfer
+        lanes, and once (under load, after a holder was frozen and thawed) that join never
+        returned. Past the deadline the teardown is left running on its daemon thread (one
+        warning) and the caller goes on.
+        """
         with self._lock:
             store, self._store = self._store, None
-            if store is not None:
-                try:
-                    store.close()
-                except Exception:  # noqa: BLE001 - closing must not raise
-                    logger.exception("Mooncake close failed")
+        if store is None:
+            return
+
+        def teardown() -> None:
+            try:
+                store.close()
+            except Exception:  # noqa: BLE001 - closing must not raise
+                logger.exception("Mooncake close failed")
+
+        closer = threading.Thread(target=teardown, name="mooncake-close", daemon=True)
+        closer.start()
+        closer.join(CLOSE_TIMEOUT_S)
+        if closer.is_alive():
+            _STUCK_CLOSING.append(store)  # keep it referenced: a second teardown must not start
+            logger.warning("Mooncake client teardown did not finish within %.0f s (a transfer lane still "
+                           "joining); left to finish in the background", CLOSE_TIMEOUT_S)
 
     # ------------------------------------------------------------------------------ internals
 
@@ -342,6 +360,7 @@ class MooncakeStore:
 # ---------------------------------------------------------------------------------------- probe
 
 _LEFT_OPEN: list[MooncakeStore] = []  # probe clients of a process about to exit
+_STUCK_CLOSING: list[Any] = []  # Mooncake clients whose teardown outlived CLOSE_TIMEOUT_S
 
 _PROBE_CHILD = """
 import json, os, sys
