@@ -142,13 +142,6 @@ def start_servers(stack: contextlib.ExitStack, systems: Sequence[System], model_
     return servers
 
 
-def _tier_tokens(base_url: str) -> float:
-    """Tokens hiradix's tiers hold now (`sglang:hiradix_tier_used_tokens`, all tiers); 0 without hiradix."""
-    text = server_metrics.fetch_metrics(base_url)
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("sglang:hiradix_tier_used_tokens{"))
-
-
 def flush_caches(servers: dict[str, ServerProcess], timeout_s: float = 120.0, poll_s: float = 0.5) -> None:
     """Empty every server's prefix cache between repetitions, as fresh servers would start.
 
@@ -169,7 +162,8 @@ def flush_caches(servers: dict[str, ServerProcess], timeout_s: float = 120.0, po
                     flushed = resp.status == 200
             except urllib.error.HTTPError:
                 flushed = False
-            if flushed and _tier_tokens(server.base_url) == 0:
+            used = server_metrics.tier_used_tokens(server_metrics.fetch_metrics(server.base_url))
+            if flushed and used == 0:
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"[{name}] cache not empty {timeout_s:.0f} s after /flush_cache")
@@ -219,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-total-tokens", type=int, default=None,
                         help=f"device KV pool in tokens (default {FULL_DEFAULTS['max_total_tokens']}; "
                              "the ideal system's is sized to the working set)")
-    parser.add_argument("--repeats", type=int, default=None, help="repetitions on fresh servers (default 3; --quick 1)")
+    parser.add_argument("--repeats", type=int, default=None, help="repetitions, each with sessions of its own on flushed caches (default 3; --quick 1)")
     parser.add_argument("--answer-tokens", dest="max_tokens", type=int, default=None,
                         help=f"tokens per answer (default {FULL_DEFAULTS['max_tokens']}; EOS ignored)")
     parser.add_argument("--history", choices=["own", "dataset"], default="own",

@@ -18,6 +18,7 @@ from typing import Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 TTFT_HISTOGRAM = "sglang:time_to_first_token_seconds"
+TIER_USED_TOKENS = "sglang:hiradix_tier_used_tokens"  # gauge per tier (hiradix/runtime/metrics.py)
 
 
 @dataclass
@@ -60,6 +61,15 @@ def parse_snapshot(text: str) -> MetricsSnapshot:
                 le = float(sample.labels["le"])
                 snap.ttft_buckets[le] = snap.ttft_buckets.get(le, 0.0) + sample.value
     return snap
+
+
+def tier_used_tokens(text: str) -> float | None:
+    """Tokens hiradix's tiers hold, summed over tiers, from one `/metrics` text: 0.0 on a server
+    without hiradix, None when the text is empty (`/metrics` did not answer)."""
+    if not text:
+        return None
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples if sample.name == TIER_USED_TOKENS)
 
 
 def delta(after: MetricsSnapshot, before: MetricsSnapshot) -> MetricsSnapshot:

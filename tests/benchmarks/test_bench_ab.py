@@ -220,6 +220,17 @@ def test_metrics_snapshot_delta_and_histogram_median():
     assert not server_metrics.parse_snapshot("").available
 
 
+def test_tier_used_tokens_sums_the_tiers_and_tells_no_answer_from_zero():
+    text = METRICS_TEXT + "\n".join([
+        "# TYPE sglang:hiradix_tier_used_tokens gauge",
+        'sglang:hiradix_tier_used_tokens{tier="HBM"} 32.0',
+        'sglang:hiradix_tier_used_tokens{tier="DRAM"} 16.0',
+        'sglang:hiradix_tier_used_tokens{tier="NVMe"} 0.0', ""])
+    assert server_metrics.tier_used_tokens(text) == 48.0
+    assert server_metrics.tier_used_tokens(METRICS_TEXT) == 0.0  # a server without hiradix
+    assert server_metrics.tier_used_tokens("") is None  # /metrics did not answer: never "empty"
+
+
 def test_ideal_pool_holds_the_working_set():
     sessions = synthetic_sessions(2, 3, seed=0, max_message_chars=100)
     own = ab.working_set_tokens(sessions, 32, lambda text: 10, own_answers=True)

@@ -112,7 +112,8 @@ def _kill_session(proc: subprocess.Popen) -> None:
     """Kill the session we started for `proc` (the launcher and anything it spawned).
 
     Once the launcher is reaped its pid may belong to a new, unrelated process (and its group),
-    so after that only members of its group created while it lived are killed, by PID.
+    so after that only members of its group created before that pid was reused (before now if it
+    was not) are killed, by PID.
     """
     if proc.poll() is None:
         try:
@@ -120,10 +121,13 @@ def _kill_session(proc: subprocess.Popen) -> None:
         except (ProcessLookupError, PermissionError):
             pass
     else:
-        ended = time.time()
+        try:  # the old group's members were all created before the launcher died, so before a reuse
+            cutoff = psutil.Process(proc.pid).create_time()
+        except psutil.Error:
+            cutoff = time.time()
         for p in psutil.process_iter(["pid", "create_time"]):
             try:
-                if p.pid != os.getpid() and os.getpgid(p.pid) == proc.pid and p.info["create_time"] <= ended:
+                if p.pid != os.getpid() and os.getpgid(p.pid) == proc.pid and p.info["create_time"] < cutoff:
                     p.kill()
             except (ProcessLookupError, psutil.Error, PermissionError):
                 continue

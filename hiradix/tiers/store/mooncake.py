@@ -239,7 +239,6 @@ class MooncakeStore:
         closer.start()
         closer.join(CLOSE_TIMEOUT_S)
         if closer.is_alive():
-            _STUCK_CLOSING.append(store)  # keep it referenced: a second teardown must not start
             logger.warning("Mooncake client teardown did not finish within %.0f s (a transfer lane still "
                            "joining); left to finish in the background", CLOSE_TIMEOUT_S)
 
@@ -360,7 +359,6 @@ class MooncakeStore:
 # ---------------------------------------------------------------------------------------- probe
 
 _LEFT_OPEN: list[MooncakeStore] = []  # probe clients of a process about to exit
-_STUCK_CLOSING: list[Any] = []  # Mooncake clients whose teardown outlived CLOSE_TIMEOUT_S
 
 _PROBE_CHILD = """
 import json, os, sys
