@@ -1,9 +1,9 @@
-"""The soak (issue 6, item 5): its leak checks on their own, then `scripts/soak` for 50 seconds.
+"""The soak (issue 6, item 5): its leak checks on their own, then `scripts/soak` for 32 seconds.
 
 * Unit: `hiradix.testing.resources` sees an extra socket, fd and /dev/shm mapping of this very
   process; modes that others could reach are named; `bench.soak.run.end_checks` reports each kind
   of leak and nothing when the end equals the baseline; the tiers' gauges and summary parse.
-* e2e: `scripts/soak --duration-s 50 --check-interval-s 4` on the tiny model (a real server, all tiers churning,
+* e2e: `scripts/soak --duration-s 32 --check-interval-s 2` on the tiny model (a real server, all tiers churning,
   invariants checked every scheduler step): exit status 0 and a report whose numbers show
   the load really churned every tier and everything came back.
 """
@@ -27,8 +27,8 @@ from hiradix.testing.resources import TreeUsage, dir_modes, private_mode_problem
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 # The short form of `scripts/soak` in the suite (the full one is 30 minutes, not run by scripts/test):
-# 50 s of load (warm-up 6 s), checks every 4 s (~11 periodic checks).
-SHORT_SOAK_S = 50
+# 32 s of load (warm-up 4 s), checks every 2 s (~10 periodic checks).
+SHORT_SOAK_S = 32
 
 
 def test_tree_usage_sees_a_new_socket_fd_and_shm_mapping():
@@ -147,7 +147,7 @@ def test_config_refuses_a_concurrency_that_forms_no_queue():
 def test_short_soak_returns_to_baseline(tiny_model, tmp_path):
     out = tmp_path / "soak"
     proc = subprocess.run(
-        [str(REPO_ROOT / "scripts" / "soak"), "--duration-s", str(SHORT_SOAK_S), "--check-interval-s", "4", "--model", str(tiny_model),
+        [str(REPO_ROOT / "scripts" / "soak"), "--duration-s", str(SHORT_SOAK_S), "--check-interval-s", "2", "--model", str(tiny_model),
          "--out-dir", str(out), "--no-progress"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=840,
     )  # fmt: skip
