@@ -10,6 +10,9 @@ so `/v1/chat/completions` works. The same preset and seed give the same bytes.
 
     python scripts/make_model.py --preset tiny  --out models/tiny   # tests: 2 layers, hidden 256
     python scripts/make_model.py --preset small --out models/small  # benchmarks: 8 layers, hidden 1024, GQA
+    python scripts/make_model.py --preset tiny-deepseek-v2           # MLA + MoE (also tiny-deepseek-v3, tiny-kimi-k2)
+
+The DeepSeek-architecture presets (MLA attention, MoE) are described in scripts/deepseek_arch.py.
 
 Re-running with the same preset, seed and script version finds `hiradix_model.json`
 in the output directory and exits at once.
@@ -28,6 +31,9 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from deepseek_arch import MLA_PRESETS, MLAPreset, mla_model_config, mla_weight_shapes  # noqa: E402
 
 # Bump when anything that changes the output bytes changes.
 SCRIPT_VERSION = 1
@@ -67,6 +73,7 @@ PRESETS = {
     # 3.7 s at best (median 7-9 s under load), the same prompt cached ~1.1 s.
     "small": Preset(num_hidden_layers=8, hidden_size=1024, intermediate_size=2560,
                     num_attention_heads=16, num_key_value_heads=4),
+    **MLA_PRESETS,
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -223,7 +230,9 @@ def tokenizer_config(special_ids: dict[str, int]) -> dict:
 # Model
 # ---------------------------------------------------------------------------------------------
 
-def model_config(p: Preset, special_ids: dict[str, int]) -> dict:
+def model_config(p: Preset | MLAPreset, special_ids: dict[str, int]) -> dict:
+    if isinstance(p, MLAPreset):
+        return mla_model_config(p, special_ids, VOCAB_SIZE, INIT_STD, BOS, EOS, PAD)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -252,8 +261,10 @@ def model_config(p: Preset, special_ids: dict[str, int]) -> dict:
     }
 
 
-def weight_shapes(p: Preset) -> dict[str, tuple[int, ...]]:
-    """Every tensor of LlamaForCausalLM, by its checkpoint name."""
+def weight_shapes(p: Preset | MLAPreset) -> dict[str, tuple[int, ...]]:
+    """Every tensor of LlamaForCausalLM (or of the DeepSeek model of an MLA preset), by its checkpoint name."""
+    if isinstance(p, MLAPreset):
+        return mla_weight_shapes(p, VOCAB_SIZE)
     h, hd = p.hidden_size, p.hidden_size // p.num_attention_heads
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB_SIZE, h)}
     for i in range(p.num_hidden_layers):
@@ -272,7 +283,7 @@ def weight_shapes(p: Preset) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def build_weights(p: Preset, seed: int):
+def build_weights(p: Preset | MLAPreset, seed: int):
     """Random float32 weights: one generator, tensors drawn in name order."""
     import torch
 

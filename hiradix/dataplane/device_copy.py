@@ -99,13 +99,15 @@ def layer_runs(page_ids: Sequence[int], layout: KVLayout) -> list[tuple[int, int
 
 
 def word_dtype(layout: KVLayout) -> torch.dtype:
-    """The widest integer type whose size divides a token row (``H * D * itemsize`` bytes).
+    """The widest integer type whose size divides a token row (``H * D * itemsize`` bytes) and
+    every plane's columns and offset in it (MLA: ``kv_lora_rank`` and ``qk_rope_head_dim``).
 
     Copies move words of this type: never float values (bit patterns, NaNs included, move
     untouched) and as few elements as the rows allow (8-byte loads over PCIe on the gather path).
     """
-    row_bytes = layout.num_kv_heads * layout.head_dim * layout.dtype.itemsize
-    return next(dtype for size, dtype in _WORDS.items() if row_bytes % size == 0)
+    item = layout.dtype.itemsize
+    sizes = [layout.row_elements * item] + [n * item for _, first, width in layout.planes for n in (first, width)]
+    return next(dtype for size, dtype in _WORDS.items() if all(b % size == 0 for b in sizes))
 
 
 def _words(t: torch.Tensor, layout: KVLayout) -> torch.Tensor:
@@ -161,18 +163,22 @@ class LayerLoad:
         """Copy calls per layer: H2D copies for ``runs``, gather kernels (one per chunk) for ``gather``."""
         return sum(map(len, self._runs)) if self.path == "runs" else len(self._chunks)
 
-    def copy_layer(self, layer: int, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> None:
+    def copy_layer(self, layer: int, k_buffer: torch.Tensor, v_buffer: Optional[torch.Tensor]) -> None:
         """Enqueue layer ``layer`` on the current stream: gather into staging, scatter into K/V.
 
         Args:
             layer: layer index in ``[0, layout.num_layers)``.
-            k_buffer: ``(pool_rows, H, D)`` of ``layout.dtype`` (``MHATokenToKVPool.k_buffer[layer]``).
-            v_buffer: same for V.
+            k_buffer: ``(pool_rows, H, D)`` of ``layout.dtype`` (``MHATokenToKVPool.k_buffer[layer]``,
+                or ``MLATokenToKVPool.kv_buffer[layer]``).
+            v_buffer: same for V; None for MLA.
         """
         layout = self.layout
         if not 0 <= layer < layout.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {layout.num_layers})")
-        for what, buf in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+        if (v_buffer is None) != layout.is_mla:
+            raise ValueError("an MLA layout takes one buffer per layer (v_buffer None); MHA takes K and V")
+        bufs = (k_buffer,) if v_buffer is None else (k_buffer, v_buffer)
+        for what, buf in zip(("k_buffer", "v_buffer"), bufs):
             kv_layout._check_device_buffer(buf, layout, what)
         src = _layer_rows(self._pool, layer, layout)  # (N, E) words
         if self._staging is None:
@@ -185,15 +191,20 @@ class LayerLoad:
             else:
                 for index, first, length in runs:
                     staging[index : index + length].copy_(src[first : first + length], non_blocking=True)
-            self._scatter(staging, self._slots[a:b], k_buffer, v_buffer)
+            self._scatter(staging, self._slots[a:b], bufs)
 
-    def _scatter(self, staging: torch.Tensor, slots: torch.Tensor, k_buffer: torch.Tensor,
-                 v_buffer: torch.Tensor) -> None:
-        """K then V halves of each staged page into its token slots (two ``index_put_`` kernels)."""
+    def _scatter(self, staging: torch.Tensor, slots: torch.Tensor, bufs: Sequence[torch.Tensor]) -> None:
+        """Each plane of the staged pages into its token slots (one ``index_put_`` kernel per
+        plane: K then V, or MLA's ``ckv`` then ``kpe`` columns of the latent rows)."""
         layout = self.layout
-        halves = staging.view(staging.shape[0], 2, layout.page_size, -1)  # (c, K/V, tokens, row words)
-        _words(kv_layout._rows(k_buffer), layout).index_put_((slots,), halves[:, 0])
-        _words(kv_layout._rows(v_buffer), layout).index_put_((slots,), halves[:, 1])
+        scale = layout.dtype.itemsize / word_dtype(layout).itemsize  # elements -> words
+        offset = 0
+        for index, first, width in layout.planes:
+            w0, w = int(first * scale), int(width * scale)
+            part = staging[:, offset : offset + layout.page_size * w].view(staging.shape[0], layout.page_size, w)
+            rows = _words(kv_layout._rows(bufs[index]), layout)
+            (rows if w == rows.shape[1] else rows[:, w0 : w0 + w]).index_put_((slots,), part)
+            offset += layout.page_size * w
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -264,7 +275,7 @@ def _probe(host: torch.Tensor, device_view: torch.Tensor, probe_bytes: int = 409
             host[a:b].copy_(old)
 
 
-def store_pages_async(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], token_slots: torch.Tensor,
+def store_pages_async(k_buffers: Sequence[torch.Tensor], v_buffers: Optional[Sequence[torch.Tensor]], token_slots: torch.Tensor,
                       dram_tensor: torch.Tensor, page_ids: Sequence[int] | torch.Tensor, layout: KVLayout) -> int:
     """HBM -> pinned DRAM without blocking the host: device gather, one D2H copy per run.
 
@@ -291,7 +302,7 @@ def store_pages_async(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[tor
         stop = min(start + chunk_pages, len(ids))
         chunk_slots = slots[start * layout.page_size : stop * layout.page_size]
         staging = kv_layout._gather_device(k_buffers, v_buffers, chunk_slots, layout)
-        staging = _words(staging.view(*staging.shape[:2], -1), layout)  # (c, L, E) or (L, c, E) words
+        staging = _words(staging, layout)  # (c, L, E) or (L, c, E) words
         for index, first, length in contiguous_runs(ids[start:stop]):
             if layout.page_major:
                 dram[first : first + length].copy_(staging[index : index + length], non_blocking=True)

@@ -4,7 +4,15 @@ SGLang 0.5.23's ``MHATokenToKVPool`` (``sglang/srt/mem_cache/memory_pool.py``) k
 layer, ``k_buffer[l]`` and ``v_buffer[l]`` of shape ``(pool_rows, H, D)`` indexed by token
 slot (NHD). Off the device a page of one layer is FlashInfer's paged NHD block
 ``[2, page_size, H, D]`` (K then V), ``layer_page_bytes`` bytes; a page of all layers is
-``num_layers`` such blocks, ``page_bytes`` bytes. The outer order of the DRAM pool is:
+``num_layers`` such blocks, ``page_bytes`` bytes.
+
+MLA models (``MLATokenToKVPool``, same file) keep one latent row per token and layer,
+``kv_buffer[l]`` of shape ``(pool_rows, 1, kv_lora_rank + qk_rope_head_dim)`` (the compressed
+KV, then the decoupled RoPE key), and no V. Off the device a page of one layer is FlashInfer's
+paged MLA pair (``BatchMLAPagedAttentionWrapper``): ``ckv [page_size, kv_lora_rank]`` then
+``kpe [page_size, qk_rope_head_dim]``, so a GPU load can hand both parts to its kernels as they
+are. Each part of a layer page is a *plane* (:attr:`KVLayout.planes`): a block of ``page_size``
+rows taken from columns of one device buffer. The outer order of the DRAM pool is:
 
 - page-major ``(num_pages, L, 2, ps, H, D)``: a page (all layers) is one contiguous extent, so
   it goes to an NVMe slot as one write; one layer of a page is still one contiguous extent.
@@ -24,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -42,13 +50,17 @@ class KVLayout:
     Attributes:
         num_layers: attention layers held by this rank's pool (``L``).
         page_size: tokens per page (``ps``), SGLang's ``--page-size``.
-        num_kv_heads: KV heads on this rank (``H``; ``head_num`` of the device pool).
-        head_dim: elements per head (``D``); K and V must have the same head dim.
+        num_kv_heads: KV heads on this rank (``H``; ``head_num`` of the device pool); 1 for MLA.
+        head_dim: elements per head (``D``); K and V must have the same head dim. MLA: the
+            latent row, ``kv_lora_rank + qk_rope_head_dim``.
         dtype: element type as stored (SGLang's ``store_dtype``, e.g. ``torch.uint8`` for fp8).
         page_major: outer order of DRAM/NVMe pages; see the module docstring.
+        rope_dim: MLA only (``qk_rope_head_dim``, > 0): the latent row's last ``rope_dim``
+            columns are the RoPE key (``kpe``); 0 for per-head K/V (MHA, GQA, MQA).
 
     Raises:
-        ValueError: a non-positive size or a ``dtype`` that is not a ``torch.dtype``.
+        ValueError: a non-positive size, a ``dtype`` that is not a ``torch.dtype``, or an MLA
+            ``rope_dim`` that leaves no latent column (or with more than one head).
     """
 
     num_layers: int
@@ -57,6 +69,7 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype
     page_major: bool = True
+    rope_dim: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "page_size", "num_kv_heads", "head_dim"):
@@ -65,11 +78,48 @@ class KVLayout:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
         if not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"KVLayout.dtype must be a torch.dtype, got {self.dtype!r}")
+        if not isinstance(self.rope_dim, int) or not 0 <= self.rope_dim < self.head_dim:
+            raise ValueError(f"KVLayout.rope_dim must be in [0, head_dim={self.head_dim}), got {self.rope_dim!r}")
+        if self.rope_dim and self.num_kv_heads != 1:
+            raise ValueError(f"an MLA layout (rope_dim > 0) has one latent head, got num_kv_heads={self.num_kv_heads}")
+
+    @property
+    def is_mla(self) -> bool:
+        """One latent row per token and layer (``MLATokenToKVPool``), no separate V."""
+        return self.rope_dim > 0
+
+    @property
+    def num_buffers(self) -> int:
+        """Device buffers per layer: 2 (``k_buffer``, ``v_buffer``) or 1 for MLA (``kv_buffer``)."""
+        return 1 if self.is_mla else 2
+
+    @property
+    def row_elements(self) -> int:
+        """Elements of one token's row in one device buffer (``H * D``)."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def planes(self) -> tuple[tuple[int, int, int], ...]:
+        """The parts of one layer page, in order: ``(buffer, first column, columns)`` per plane.
+
+        A plane is ``page_size`` rows of those columns of device buffer ``buffer`` of the layer.
+        MHA: ``((0, 0, H*D), (1, 0, H*D))`` (K, then V). MLA: ``((0, 0, kv_lora_rank),
+        (0, kv_lora_rank, rope_dim))`` (``ckv``, then ``kpe``).
+        """
+        row = self.row_elements
+        if self.is_mla:
+            return ((0, 0, row - self.rope_dim), (0, row - self.rope_dim, self.rope_dim))
+        return ((0, 0, row), (1, 0, row))
+
+    @property
+    def layer_page_elements(self) -> int:
+        """Elements of one page of one layer (every plane)."""
+        return self.page_size * sum(width for _, _, width in self.planes)
 
     @property
     def layer_page_bytes(self) -> int:
-        """Bytes of one page of one layer: ``[2, page_size, num_kv_heads, head_dim]``."""
-        return 2 * self.page_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """Bytes of one page of one layer: ``[2, page_size, H, D]``, or MLA's ``ckv`` + ``kpe``."""
+        return self.layer_page_elements * self.dtype.itemsize
 
     @property
     def page_bytes(self) -> int:
@@ -77,16 +127,19 @@ class KVLayout:
         return self.num_layers * self.layer_page_bytes
 
     @property
-    def layer_page_shape(self) -> tuple[int, int, int, int]:
-        """Shape of one page of one layer: ``(2, page_size, num_kv_heads, head_dim)``."""
+    def layer_page_shape(self) -> tuple[int, ...]:
+        """Shape of one page of one layer: ``(2, page_size, H, D)``; MLA ``(page_size * row,)``
+        (``ckv`` rows, then ``kpe`` rows: the planes differ in width)."""
+        if self.is_mla:
+            return (self.layer_page_elements,)
         return (2, self.page_size, self.num_kv_heads, self.head_dim)
 
     def dram_shape(self, num_pages: int) -> tuple[int, ...]:
         """Shape of a DRAM pool of ``num_pages`` pages.
 
         Returns:
-            ``(num_pages, L, 2, ps, H, D)`` when page-major, ``(L, num_pages, 2, ps, H, D)``
-            when layer-major.
+            ``(num_pages, L, *layer_page_shape)`` when page-major (MHA: ``(num_pages, L, 2,
+            ps, H, D)``), ``(L, num_pages, *layer_page_shape)`` when layer-major.
         """
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
@@ -103,6 +156,7 @@ class KVLayout:
             "head_dim": self.head_dim,
             "dtype": str(self.dtype).removeprefix("torch."),
             "page_major": self.page_major,
+            "rope_dim": self.rope_dim,
         }
 
     @classmethod
@@ -122,6 +176,7 @@ class KVLayout:
             head_dim=int(d["head_dim"]),
             dtype=dtype,
             page_major=bool(d.get("page_major", True)),
+            rope_dim=int(d.get("rope_dim", 0)),
         )
 
     @classmethod
@@ -131,10 +186,16 @@ class KVLayout:
         Reads ``k_buffer`` (list of ``(pool_rows, H, D)`` per local layer), ``head_num``,
         ``head_dim``, ``v_head_dim``, ``store_dtype`` (falls back to ``dtype``), ``layer_num``.
 
+        An MLA pool (``MLATokenToKVPool``: ``kv_buffer``, ``kv_lora_rank``, ``qk_rope_head_dim``)
+        gives one latent head of ``kv_lora_rank + qk_rope_head_dim`` and ``rope_dim``.
+
         Raises:
-            ValueError: the pool is not a plain NHD MHA pool (HND or 5-D layout, MLA, K and V
-                head dims differ, buffer shapes disagree with ``head_num``/``head_dim``).
+            ValueError: the pool is neither a plain NHD MHA pool nor a plain MLA pool (HND or 5-D
+                layout, K and V head dims differ, buffer shapes disagree with ``head_num`` /
+                ``head_dim``, DSA's packed fp8 latent).
         """
+        if getattr(kv_pool, "kv_buffer", None) is not None and getattr(kv_pool, "kv_lora_rank", None):
+            return _mla_layout(kv_pool, int(page_size), page_major)
         k_buffers = getattr(kv_pool, "k_buffer", None)
         v_buffers = getattr(kv_pool, "v_buffer", None)
         if not k_buffers or not v_buffers:
@@ -162,9 +223,38 @@ class KVLayout:
         return cls(num_layers, int(page_size), head_num, head_dim, dtype, page_major)
 
 
+def _mla_layout(kv_pool: Any, page_size: int, page_major: bool) -> KVLayout:
+    """Layout of SGLang's ``MLATokenToKVPool``: ``(rows, 1, kv_lora_rank + qk_rope_head_dim)`` per layer."""
+    buffers = kv_pool.kv_buffer
+    lora, rope = int(kv_pool.kv_lora_rank), int(kv_pool.qk_rope_head_dim)
+    if getattr(kv_pool, "use_dsa", False) or getattr(kv_pool, "kv_scale_buffer", None) is not None:
+        raise ValueError("a DSA (sparse-attention) or scaled fp4/fp8 MLA pool is not supported")
+    if rope <= 0:
+        raise ValueError(f"qk_rope_head_dim {rope}: an MLA pool without a RoPE part is not supported")
+    for layer, buf in enumerate(buffers):
+        if buf.dim() != 3 or tuple(buf.shape[1:]) != (1, lora + rope):
+            raise ValueError(f"layer {layer}: kv_buffer {tuple(buf.shape)} is not (rows, 1, {lora} + {rope})")
+    layer_num = int(getattr(kv_pool, "layer_num", len(buffers)))
+    if layer_num != len(buffers):
+        raise ValueError(f"layer_num {layer_num} != len(kv_buffer) {len(buffers)}")
+    dtype = getattr(kv_pool, "store_dtype", None) or kv_pool.dtype
+    if buffers[0].dtype != dtype:
+        raise ValueError(f"buffer dtype {buffers[0].dtype} != store_dtype {dtype}")
+    return KVLayout(len(buffers), page_size, 1, lora + rope, dtype, page_major, rope_dim=rope)
+
+
+def device_buffers(kv_pool: Any, layout: KVLayout) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
+    """The per-layer device buffers of SGLang's pool as ``(first, second)``: ``(k_buffer,
+    v_buffer)``, or ``(kv_buffer, None)`` for MLA (the arguments of the copies below)."""
+    if layout.is_mla:
+        return kv_pool.kv_buffer, None
+    return kv_pool.k_buffer, kv_pool.v_buffer
+
+
 def _check_dram(dram_tensor: torch.Tensor, layout: KVLayout) -> int:
     """Validate a DRAM pool tensor against ``layout``; returns its number of pages."""
-    num_pages = dram_tensor.shape[0 if layout.page_major else 1] if dram_tensor.dim() == 6 else -1
+    ndim = 2 + len(layout.layer_page_shape)
+    num_pages = dram_tensor.shape[0 if layout.page_major else 1] if dram_tensor.dim() == ndim else -1
     if tuple(dram_tensor.shape) != layout.dram_shape(max(num_pages, 0)) or dram_tensor.dtype != layout.dtype:
         raise ValueError(
             f"DRAM tensor {tuple(dram_tensor.shape)} {dram_tensor.dtype} does not match "
@@ -198,7 +288,7 @@ def _check_device_buffer(buf: torch.Tensor, layout: KVLayout, what: str) -> None
 
 def store_pages(
     k_buffers: Sequence[torch.Tensor],
-    v_buffers: Sequence[torch.Tensor],
+    v_buffers: Optional[Sequence[torch.Tensor]],
     token_slots: torch.Tensor,
     dram_tensor: torch.Tensor,
     page_ids: Sequence[int] | torch.Tensor,
@@ -212,12 +302,13 @@ def store_pages(
     ``STAGING_BYTES_MAX`` bytes), and scattered into ``dram_tensor`` with ``index_copy_``; when
     the device pool is host memory (CPU) each layer's rows are scattered into DRAM directly.
     Synchronous: the DRAM pages hold the data when it returns. Mirrors HiCache's
-    ``backup_from_device_all_layer`` (``pool_host/mha.py``) for the ``direct`` I/O backend.
+    ``backup_from_device_all_layer`` (``pool_host/mha.py``, ``pool_host/mla.py``) for the
+    ``direct`` I/O backend.
 
     Args:
         k_buffers: ``L`` tensors ``(pool_rows, H, D)``, dtype ``layout.dtype`` (SGLang's
-            ``MHATokenToKVPool.k_buffer``), on any device.
-        v_buffers: same for V.
+            ``MHATokenToKVPool.k_buffer``, or ``MLATokenToKVPool.kv_buffer``), on any device.
+        v_buffers: same for V; None for MLA (:func:`device_buffers`).
         token_slots: int64 ``(n * page_size,)``, token slot ids into the device buffers.
         dram_tensor: CPU tensor of shape ``layout.dram_shape(num_pages)``.
         page_ids: ``n`` DRAM page ids (distinct).
@@ -239,7 +330,7 @@ def store_pages(
     for start in range(0, num_pages, chunk_pages):
         stop = min(start + chunk_pages, num_pages)
         staging = _gather_device(k_buffers, v_buffers, slots[start * layout.page_size : stop * layout.page_size], layout)
-        host = staging.to("cpu").view(*staging.shape[:2], -1)  # (c, L, E) or (L, c, E)
+        host = staging.to("cpu")  # (c, L, E) or (L, c, E)
         if layout.page_major:
             dram.view(dram.shape[0], -1).index_copy_(0, ids[start:stop], host.view(host.shape[0], -1))
         else:
@@ -247,9 +338,15 @@ def store_pages(
                 dram[layer].index_copy_(0, ids[start:stop], host[layer])
 
 
+def layer_buffers(k_buffers: Sequence[torch.Tensor], v_buffers: Optional[Sequence[torch.Tensor]],
+                  layer: int) -> tuple[torch.Tensor, ...]:
+    """The device buffers of one layer, indexed as :attr:`KVLayout.planes` name them."""
+    return (k_buffers[layer],) if v_buffers is None else (k_buffers[layer], v_buffers[layer])
+
+
 def _check_store_args(
     k_buffers: Sequence[torch.Tensor],
-    v_buffers: Sequence[torch.Tensor],
+    v_buffers: Optional[Sequence[torch.Tensor]],
     token_slots: torch.Tensor,
     dram_tensor: torch.Tensor,
     page_ids: Sequence[int] | torch.Tensor,
@@ -262,32 +359,53 @@ def _check_store_args(
     _check_slots(token_slots, num_pages, layout)
     if ids.unique().numel() != num_pages:
         raise ValueError(f"page_ids must be distinct, got {ids.tolist()}")
-    if len(k_buffers) != layout.num_layers or len(v_buffers) != layout.num_layers:
-        raise ValueError(f"expected {layout.num_layers} K and V buffers, got {len(k_buffers)}/{len(v_buffers)}")
-    for layer in range(layout.num_layers):
-        _check_device_buffer(k_buffers[layer], layout, f"k_buffers[{layer}]")
-        _check_device_buffer(v_buffers[layer], layout, f"v_buffers[{layer}]")
+    _check_buffer_lists(k_buffers, v_buffers, layout)
     return ids
 
 
+def _check_buffer_lists(k_buffers: Sequence[torch.Tensor], v_buffers: Optional[Sequence[torch.Tensor]],
+                        layout: KVLayout) -> None:
+    if (v_buffers is None) != layout.is_mla:
+        raise ValueError("an MLA layout takes one buffer per layer (v_buffers None); MHA takes K and V")
+    if v_buffers is None and len(k_buffers) != layout.num_layers:
+        raise ValueError(f"expected {layout.num_layers} latent (kv_buffer) buffers, got {len(k_buffers)}")
+    if v_buffers is not None and not len(k_buffers) == len(v_buffers) == layout.num_layers:
+        raise ValueError(f"expected {layout.num_layers} K and V buffers, got {len(k_buffers)}/{len(v_buffers)}")
+    names = ("kv_buffers",) if v_buffers is None else ("k_buffers", "v_buffers")
+    for layer in range(layout.num_layers):
+        for name, buf in zip(names, layer_buffers(k_buffers, v_buffers, layer)):
+            _check_device_buffer(buf, layout, f"{name}[{layer}]")
+
+
+def _plane_rows(buf: torch.Tensor, first: int, width: int, layout: KVLayout) -> torch.Tensor:
+    """Columns ``[first, first + width)`` of a device buffer's ``(rows, H*D)`` view (a view)."""
+    rows = _rows(buf)
+    return rows if width == layout.row_elements else rows[:, first : first + width]
+
+
 def _store_pages_from_host(
-    k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], slots: torch.Tensor,
+    k_buffers: Sequence[torch.Tensor], v_buffers: Optional[Sequence[torch.Tensor]], slots: torch.Tensor,
     dram: torch.Tensor, ids: torch.Tensor, layout: KVLayout,
 ) -> None:
     """HBM -> DRAM when the device pool is host memory (CPU): two copies per byte (the row
     gather, the page scatter) instead of three through a staging buffer.
 
-    ``dram``: ``(N, L, E)`` (page-major) or ``(L, N, E)``, ``E = 2 * ps*H*D`` (K then V)."""
+    ``dram``: ``(N, L, E)`` (page-major) or ``(L, N, E)``, ``E`` the planes of a layer page."""
     count = ids.numel()
-    width = layout.page_size * layout.num_kv_heads * layout.head_dim  # elements of K (or V) of one page
     for layer in range(layout.num_layers):
         pages = dram[:, layer] if layout.page_major else dram[layer]  # (N, E)
-        pages[:, :width].index_copy_(0, ids, _rows(k_buffers[layer]).index_select(0, slots).view(count, width))
-        pages[:, width:].index_copy_(0, ids, _rows(v_buffers[layer]).index_select(0, slots).view(count, width))
+        bufs = layer_buffers(k_buffers, v_buffers, layer)
+        offset = 0
+        for index, first, width in layout.planes:
+            size = layout.page_size * width
+            rows = _plane_rows(bufs[index], first, width, layout).index_select(0, slots)
+            pages[:, offset : offset + size].index_copy_(0, ids, rows.view(count, size))
+            offset += size
 
 
 def _gather_device(
-    k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], slots: torch.Tensor, layout: KVLayout
+    k_buffers: Sequence[torch.Tensor], v_buffers: Optional[Sequence[torch.Tensor]], slots: torch.Tensor,
+    layout: KVLayout,
 ) -> torch.Tensor:
     """Gather ``c`` pages of all layers on the device, in DRAM order.
 
@@ -295,16 +413,21 @@ def _gather_device(
     3-D buffers the CPU kernel is ~200x slower (measured with torch 2.13 CPU).
 
     Returns:
-        ``(c, L, 2, ps*H*D)`` if page-major else ``(L, c, 2, ps*H*D)``, on the buffers' device.
+        ``(c, L, E)`` if page-major else ``(L, c, E)`` (``E``: the planes of a layer page), on
+        the buffers' device.
     """
     count = slots.numel() // layout.page_size
-    width = layout.page_size * layout.num_kv_heads * layout.head_dim  # elements of K (or V) of one page
     outer = (count, layout.num_layers) if layout.page_major else (layout.num_layers, count)
-    staging = torch.empty((*outer, 2, width), dtype=layout.dtype, device=k_buffers[0].device)
+    staging = torch.empty((*outer, layout.layer_page_elements), dtype=layout.dtype, device=k_buffers[0].device)
     for layer in range(layout.num_layers):
-        dst = staging[:, layer] if layout.page_major else staging[layer]  # (c, 2, ps*H*D)
-        dst[:, 0].copy_(_rows(k_buffers[layer]).index_select(0, slots).view(count, width))
-        dst[:, 1].copy_(_rows(v_buffers[layer]).index_select(0, slots).view(count, width))
+        dst = staging[:, layer] if layout.page_major else staging[layer]  # (c, E)
+        bufs = layer_buffers(k_buffers, v_buffers, layer)
+        offset = 0
+        for index, first, width in layout.planes:
+            size = layout.page_size * width
+            rows = _plane_rows(bufs[index], first, width, layout).index_select(0, slots)
+            dst[:, offset : offset + size].copy_(rows.view(count, size))
+            offset += size
     return staging
 
 
@@ -325,9 +448,26 @@ def _dram_pages(dram_tensor: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     return dram_tensor.view(*dram_tensor.shape[:2], -1)
 
 
+def scatter_planes(pages: torch.Tensor, bufs: Sequence[torch.Tensor], slots: torch.Tensor, layout: KVLayout) -> None:
+    """Write ``n`` staged layer pages into their token slots of one layer's device buffers.
+
+    Args:
+        pages: ``(n, E)`` layer pages (:attr:`KVLayout.planes` in order), on the buffers' device.
+        bufs: the layer's device buffers (:func:`layer_buffers`).
+        slots: int64 ``(n * page_size,)`` destination token slots.
+    """
+    count = pages.shape[0]
+    offset = 0
+    for index, first, width in layout.planes:
+        size = layout.page_size * width
+        part = pages[:, offset : offset + size].reshape(count * layout.page_size, width)
+        _plane_rows(bufs[index], first, width, layout).index_copy_(0, slots, part)
+        offset += size
+
+
 def load_layer(
     k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
+    v_buffer: Optional[torch.Tensor],
     layer: int,
     dram_tensor: torch.Tensor,
     page_ids: Sequence[int] | torch.Tensor,
@@ -345,8 +485,9 @@ def load_layer(
     ``load_to_device_per_layer`` (``pool_host/mha.py``).
 
     Args:
-        k_buffer: ``(pool_rows, H, D)`` of dtype ``layout.dtype``: ``MHATokenToKVPool.k_buffer[layer]``.
-        v_buffer: same for V.
+        k_buffer: ``(pool_rows, H, D)`` of dtype ``layout.dtype``: ``MHATokenToKVPool.k_buffer[layer]``
+            (MLA: ``MLATokenToKVPool.kv_buffer[layer]``).
+        v_buffer: same for V; None for MLA.
         layer: layer index in ``[0, layout.num_layers)`` (local to this pool).
         dram_tensor: CPU tensor of shape ``layout.dram_shape(num_pages)``.
         page_ids: ``n`` DRAM page ids.
@@ -360,24 +501,22 @@ def load_layer(
     _check_dram(dram_tensor, layout)
     if not 0 <= layer < layout.num_layers:
         raise ValueError(f"layer {layer} out of range [0, {layout.num_layers})")
-    _check_device_buffer(k_buffer, layout, "k_buffer")
-    _check_device_buffer(v_buffer, layout, "v_buffer")
+    if (v_buffer is None) != layout.is_mla:
+        raise ValueError("an MLA layout takes one buffer per layer (v_buffer None); MHA takes K and V")
+    bufs = (k_buffer,) if v_buffer is None else (k_buffer, v_buffer)
+    for index, buf in enumerate(bufs):
+        _check_device_buffer(buf, layout, ("k_buffer", "v_buffer")[index])
     ids = _page_ids_tensor(page_ids)
-    num_pages = ids.numel()
-    _check_slots(token_slots, num_pages, layout)
+    _check_slots(token_slots, ids.numel(), layout)
     dram = _dram_pages(dram_tensor, layout)
     src = dram[:, layer] if layout.page_major else dram[layer]  # (N, E), rows of layer_page_bytes
     pages = src.index_select(0, ids).to(k_buffer.device)  # (n, E)
-    rows = (num_pages * layout.page_size, layout.num_kv_heads * layout.head_dim)
-    halves = pages.view(num_pages, 2, -1)  # K then V of each page
-    slots = token_slots.to(device=k_buffer.device, dtype=torch.int64)
-    _rows(k_buffer).index_copy_(0, slots, halves[:, 0].reshape(rows))
-    _rows(v_buffer).index_copy_(0, slots, halves[:, 1].reshape(rows))
+    scatter_planes(pages, bufs, token_slots.to(device=k_buffer.device, dtype=torch.int64), layout)
 
 
 def load_pages(
     k_buffers: Sequence[torch.Tensor],
-    v_buffers: Sequence[torch.Tensor],
+    v_buffers: Optional[Sequence[torch.Tensor]],
     dram_tensor: torch.Tensor,
     page_ids: Sequence[int] | torch.Tensor,
     token_slots: torch.Tensor,
@@ -386,8 +525,8 @@ def load_pages(
     """Copy ``n`` DRAM pages of all layers into the device pool: :func:`load_layer` per layer.
 
     Args:
-        k_buffers: ``L`` tensors ``(pool_rows, H, D)`` (``MHATokenToKVPool.k_buffer``).
-        v_buffers: same for V.
+        k_buffers: ``L`` tensors ``(pool_rows, H, D)`` (``MHATokenToKVPool.k_buffer``, or MLA's ``kv_buffer``).
+        v_buffers: same for V; None for MLA.
         dram_tensor: CPU tensor of shape ``layout.dram_shape(num_pages)``.
         page_ids: ``n`` DRAM page ids.
         token_slots: int64 ``(n * page_size,)`` destination token slots.
@@ -396,7 +535,7 @@ def load_pages(
     Raises:
         ValueError: a shape, dtype or length mismatch (see :func:`load_layer`).
     """
-    if len(k_buffers) != layout.num_layers or len(v_buffers) != layout.num_layers:
-        raise ValueError(f"expected {layout.num_layers} K and V buffers, got {len(k_buffers)}/{len(v_buffers)}")
+    _check_buffer_lists(k_buffers, v_buffers, layout)
     for layer in range(layout.num_layers):
-        load_layer(k_buffers[layer], v_buffers[layer], layer, dram_tensor, page_ids, token_slots, layout)
+        load_layer(k_buffers[layer], None if v_buffers is None else v_buffers[layer], layer, dram_tensor,
+                   page_ids, token_slots, layout)

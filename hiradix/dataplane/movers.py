@@ -45,7 +45,8 @@ class HostMover:
     """Copies pages between SGLang's device KV pool and the shared DRAM pool.
 
     Args:
-        kv_pool: SGLang's ``MHATokenToKVPool`` (per-layer ``k_buffer``/``v_buffer``).
+        kv_pool: SGLang's ``MHATokenToKVPool`` (per-layer ``k_buffer``/``v_buffer``) or
+            ``MLATokenToKVPool`` (``kv_buffer``).
         dram: the DRAM tier's shared-memory pool (pinned with ``DramPool.pin_for_cuda`` on CUDA).
         loader: the per-layer load counter registered with the KV pool.
         load_path: force a DRAM -> HBM path (``device_copy.LOAD_PATHS``; gpu_check, tests);
@@ -89,10 +90,15 @@ class HostMover:
         return path
 
     def _k(self) -> list[torch.Tensor]:
-        return self.kv_pool.k_buffer
+        return kv_layout.device_buffers(self.kv_pool, self.layout)[0]
 
-    def _v(self) -> list[torch.Tensor]:
-        return self.kv_pool.v_buffer
+    def _v(self) -> Optional[list[torch.Tensor]]:
+        """V buffers per layer; None for MLA (one latent buffer, :func:`kv_layout.device_buffers`)."""
+        return kv_layout.device_buffers(self.kv_pool, self.layout)[1]
+
+    def _layer_v(self, layer: int) -> Optional[torch.Tensor]:
+        v = self._v()
+        return None if v is None else v[layer]
 
     # ---------------------------------------------------------------- backup
     def backup(self, op: Transfer) -> None:
@@ -131,7 +137,7 @@ class HostMover:
             return
 
         def copy_layer(layer: int) -> None:
-            kv_layout.load_layer(self._k()[layer], self._v()[layer], layer, self.dram.tensor, pages, slots, self.layout)
+            kv_layout.load_layer(self._k()[layer], self._layer_v(layer), layer, self.dram.tensor, pages, slots, self.layout)
 
         self.loader.submit(op.op_id, copy_layer)
 
@@ -146,7 +152,7 @@ class HostMover:
         load = device_copy.LayerLoad(self.dram.tensor, pages, slots, self.layout, self.load_path, self._source)
 
         def copy_layer(layer: int) -> None:
-            load.copy_layer(layer, self._k()[layer], self._v()[layer])
+            load.copy_layer(layer, self._k()[layer], self._layer_v(layer))
 
         self.loader.submit([op_id for op_id, _, _ in pending], copy_layer)
 

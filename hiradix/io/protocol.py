@@ -313,6 +313,9 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
         store_threads: Store jobs run concurrently, on their own threads (a slow store never
             delays NVMe jobs).
         tp_rank: The TP rank this worker serves (names it in logs; test faults may target one).
+        store_writer: False: PUTs report success without writing (another rank writes the same
+            bytes under the same keys: MLA under TP, ``fingerprint.is_store_writer``); GETs and
+            lookups run as usual.
     """
 
     dram_path: str
@@ -329,6 +332,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     store_config: str = ""
     store_threads: int = 2
     tp_rank: int = 0
+    store_writer: bool = True
 
     def to_json(self) -> str:
         """Serialize to a JSON string (the worker's ``--spec`` argument)."""

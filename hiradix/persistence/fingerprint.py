@@ -84,6 +84,7 @@ def kv_fingerprint(
         "num_kv_heads": str(layout.num_kv_heads),
         "head_dim": str(layout.head_dim),
         "page_major": str(layout.page_major),
+        **({"mla_rope_dim": str(layout.rope_dim)} if layout.is_mla else {}),
         "tp_rank": str(tp_rank),
         "tp_size": str(tp_size),
         "slot_bytes": str(slot_bytes),
@@ -96,16 +97,26 @@ def kv_fingerprint(
 STORE_FORMAT = "hiradix-store-v1"  # object layout in the cluster store: page payload + checksum trailer
 
 
+def is_store_writer(layout: KVLayout, tp_rank: int) -> bool:
+    """Whether this rank PUTs its pages into the cluster store: every rank for per-head K/V (each
+    holds its own heads), rank 0 only for MLA (the ranks' latents are identical)."""
+    return not layout.is_mla or tp_rank == 0
+
+
 def store_key_prefix(model_id: str, model_dtype: str, layout: KVLayout, tp_rank: int, tp_size: int) -> str:
     """The cluster store's key prefix for this rank's KV: ``hiradix/<digest>/``.
 
     The digest (16 hex digits of SHA-256) covers what :func:`kv_fingerprint` covers except the
     NVMe slot size and the hiradix version (servers of other versions share KV when the object
     format is the same, ``STORE_FORMAT``), so a different model, dtype, page size, layout or TP
-    shard never reads another's objects.
+    shard never reads another's objects. MLA (``layout.is_mla``): every TP rank holds the same
+    latent, so the key has no TP rank (one object per page, written by one rank, read by all;
+    HiCache's MLA keys do the same, ``mem_cache/hicache_storage.py``); the TP size stays in it.
     """
-    fp = kv_fingerprint(model_id, model_dtype, layout, tp_rank, tp_size, slot_bytes=0)
+    fp = kv_fingerprint(model_id, model_dtype, layout, 0 if layout.is_mla else tp_rank, tp_size, slot_bytes=0)
     del fp["slot_bytes"], fp["hiradix_version"]
+    if layout.is_mla:
+        fp["tp_rank"] = "replicated"
     fp["store_format"] = STORE_FORMAT
     digest = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
     return f"hiradix/{digest}/"

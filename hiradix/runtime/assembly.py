@@ -27,11 +27,11 @@ from hiradix.core.ledger import TierBooks
 from hiradix.core.store_tier import STORE_RETRY_S
 from hiradix.core.tree import TieredRadixTree
 from hiradix.dataplane.layerwise import LayerwiseLoader
-from hiradix.dataplane.layout import KVLayout
+from hiradix.dataplane.layout import KVLayout, device_buffers
 from hiradix.dataplane.movers import HostMover
 from hiradix.io.client import IOWorkerClient
 from hiradix.io.protocol import WorkerSpec
-from hiradix.persistence.fingerprint import kv_fingerprint, store_key_prefix
+from hiradix.persistence.fingerprint import is_store_writer, kv_fingerprint, store_key_prefix
 from hiradix.persistence.index import INDEX_FILE_NAME, NvmeIndex
 from hiradix.persistence.journal import IndexJournal, restore
 from hiradix.runtime.rank_sync import RankSync
@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 
 
 def start_worker(dram: DramPool, nvme_dir: Optional[Path], nvme_slots: int, shm_dir: Path, io_backend: str,
-                 keep: bool = False, store_backend: str = "", store_config: str = "", tp_rank: int = 0) -> IOWorkerClient:
+                 keep: bool = False, store_backend: str = "", store_config: str = "", tp_rank: int = 0,
+                 store_writer: bool = True) -> IOWorkerClient:
     """Create (``keep``: reuse) the NVMe slot file and spawn this rank's I/O worker over it and
     over the cluster store (``store_backend``), either of which may be absent.
 
@@ -69,6 +70,7 @@ def start_worker(dram: DramPool, nvme_dir: Optional[Path], nvme_slots: int, shm_
         store_backend=store_backend,
         store_config=store_config,
         tp_rank=tp_rank,
+        store_writer=store_writer,
     )
     client = IOWorkerClient(spec)
     client.start()
@@ -201,7 +203,7 @@ def build_tiers(
     ensure_private_dir(shm_dir)  # 0700: it holds the worker's socket directory
     remove_on_exit(shm_dir)
     dram = DramPool.create_anonymous(layout, dram_pages)
-    device = kv_pool.k_buffer[0].device
+    device = device_buffers(kv_pool, layout)[0][0].device
     if device.type == "cuda":
         dram.pin_for_cuda()  # False (one warning): the pool stays pageable and copies stay correct
     nvme_dir, nvme_slots, lock_fd, index, pages = _nvme_tier(config, layout, tp_rank, page_size, identity)
@@ -214,7 +216,7 @@ def build_tiers(
     if nvme_slots > 0 or key_prefix is not None:
         client = start_worker(dram, nvme_dir, nvme_slots, shm_dir, io_backend, keep=index is not None and index.reused,
                               store_backend=config.store_backend or "", store_config=config.store_config,
-                              tp_rank=tp_rank)
+                              tp_rank=tp_rank, store_writer=is_store_writer(layout, tp_rank))
     books = TierBooks(tree, dram_pages, nvme_slots)
     loader = LayerwiseLoader(layout.num_layers, device, counter_factory)
     mover = HostMover(kv_pool, dram, loader)

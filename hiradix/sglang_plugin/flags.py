@@ -22,7 +22,12 @@ from typing import Any
 from hiradix.config import ENV_VAR, FLAGS, VALUE_FLAGS, HiRadixConfig, HiRadixConfigError, check_machine
 from hiradix.core.policy import make_policy
 from hiradix.sglang_plugin import hooks
-from hiradix.sglang_plugin.model_check import read_hf_config, unsupported_model_config_reason, unsupported_model_reason
+from hiradix.sglang_plugin.model_check import (
+    SERVED_MODELS,
+    read_hf_config,
+    unsupported_model_config_reason,
+    unsupported_model_reason,
+)
 from hiradix.sglang_plugin.refusals import (
     BACKEND_NAME,
     first_conflict,
@@ -150,8 +155,7 @@ def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -
         reason = unsupported_model_reason(hf_config)
         if reason is not None:
             refuse(
-                f"--model-path {result.model_path} is {reason} (from {where}); "
-                "--enable-hiradix serves plain MHA/GQA full-attention decoder models only"
+                f"--model-path {result.model_path} is {reason} (from {where}); {SERVED_MODELS}"
             )
         refuse_tiers_below_one_page(config, hf_config, result, result.page_size or DEFAULT_PAGE_SIZE_TOKENS)
     try:
@@ -210,8 +214,7 @@ def after_resolve_once(result: None, server_args: Any) -> None:
         reason = unsupported_model_config_reason(model_config)
         if reason is not None:
             refuse(
-                f"--model-path {view.model_path} is {reason}; --enable-hiradix serves "
-                "plain MHA/GQA full-attention decoder models only"
+                f"--model-path {view.model_path} is {reason}; {SERVED_MODELS}"
             )
     setattr(server_args, _CHECKED_ATTR, True)
     turned_on = getattr(server_args, _TURNED_ON_ATTR, ())

@@ -19,6 +19,13 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+# The end of every architecture refusal: what is served, and what to use for the rest.
+SERVED_MODELS = (
+    "--enable-hiradix serves full-attention decoder models with per-head K/V (MHA/GQA/MQA) or "
+    "multi-head latent attention (MLA: DeepSeek V2/V3/R1, Kimi K2); for this model use SGLang's "
+    "HiCache (--enable-hierarchical-cache), which keeps a host pool per attention component"
+)
+
 _BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
 
 
@@ -31,13 +38,28 @@ def kv_element_bytes(hf_config: Mapping[str, Any], dtype: str, kv_cache_dtype: O
     return 2  # auto: a 16-bit checkpoint keeps 2 bytes, a float32 one is cast to 16-bit
 
 
+def is_mla_config(cfg: Mapping[str, Any]) -> bool:
+    """Multi-head latent attention (DeepSeek V2/V3/R1, Kimi K2): ``kv_lora_rank`` set, MLA not
+    switched off (``use_mla``)."""
+    return cfg.get("kv_lora_rank") is not None and bool(cfg.get("use_mla", True))
+
+
 def page_bytes_estimate(hf_config: Mapping[str, Any], page_size: int, tp_size: int, dtype: str,
                         kv_cache_dtype: Optional[str] = None) -> Optional[int]:
-    """K and V bytes of one page of one TP rank (all layers), or None if the config lacks a size.
+    """KV bytes of one page of one TP rank (all layers), or None if the config lacks a size.
 
-    ``2 x layers x page_size x max(1, kv_heads // tp_size) x head_dim x element bytes``.
+    Per-head K/V: ``2 x layers x page_size x max(1, kv_heads // tp_size) x head_dim x element
+    bytes``. MLA: ``layers x page_size x (kv_lora_rank + qk_rope_head_dim) x element bytes`` on
+    every rank (the latent is not split by TP; SGLang's ``MLATokenToKVPool``).
     """
     text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), Mapping) else hf_config
+    if is_mla_config(text):
+        try:
+            row = int(text["kv_lora_rank"]) + int(text.get("qk_rope_head_dim") or 0)
+            layers = int(text["num_hidden_layers"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        return layers * page_size * row * kv_element_bytes(text, dtype, kv_cache_dtype)
     try:
         layers = int(text["num_hidden_layers"])
         heads = int(text["num_attention_heads"])
@@ -68,6 +90,7 @@ _ENCODER_DECODER_ARCHS = frozenset(
         "MossVLForConditionalGeneration",
     }
 )
+_DSA_ARCHS = frozenset({"DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"})
 _NESTED_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
 
 
@@ -75,7 +98,8 @@ def unsupported_model_reason(hf_config: Mapping[str, Any]) -> str | None:
     """Why hiradix cannot serve a model, from its HF `config.json`, or None if it can.
 
     hiradix serves decoder-only models whose every layer is plain full attention with
-    per-head K/V (MHA/GQA/MQA). Refused: MLA (`kv_lora_rank`), sliding-window or
+    per-head K/V (MHA/GQA/MQA) or one latent per token (MLA: DeepSeek V2/V3/R1, Kimi K2).
+    Refused: DeepSeek sparse attention (DSA: V3.2's indexer, `index_topk`), sliding-window or
     chunked-attention hybrids (`layer_types`, `use_sliding_window` on some layers,
     `sliding_window_pattern`, `attention_chunk_size`), Mamba/SSM/linear-attention
     hybrids, and encoder-decoder models. Nested text configs are checked too.
@@ -91,11 +115,8 @@ def unsupported_model_reason(hf_config: Mapping[str, Any]) -> str | None:
         return f"an encoder-decoder model (architectures={archs})"
     for cfg in configs:
         model_type = str(cfg.get("model_type", ""))
-        if cfg.get("kv_lora_rank") is not None and cfg.get("use_mla", True):
-            return (
-                f"an MLA model (kv_lora_rank={cfg['kv_lora_rank']}, "
-                f"architectures={archs})"
-            )
+        if is_mla_config(cfg) and (cfg.get("index_topk") or _DSA_ARCHS.intersection(archs)):
+            return f"a DeepSeek sparse-attention (DSA) model (architectures={archs})"
         if model_type in _SSM_MODEL_TYPES or any(k in cfg for k in _SSM_KEYS):
             return f"a Mamba/SSM/linear-attention hybrid (model_type={model_type!r})"
         if cfg.get("cross_attention_layers"):
@@ -160,7 +181,7 @@ def unsupported_model_config_reason(model_config: Any) -> str | None:
     from sglang.srt.configs.model_config import AttentionArch, is_deepseek_dsa
 
     archs = list(getattr(model_config.hf_config, "architectures", None) or [])
-    if model_config.attention_arch != AttentionArch.MHA:
+    if model_config.attention_arch not in (AttentionArch.MHA, AttentionArch.MLA):
         return f"a {model_config.attention_arch.name} model (architectures={archs})"
     if getattr(model_config, "is_encoder_decoder", False):
         return f"an encoder-decoder model (architectures={archs})"

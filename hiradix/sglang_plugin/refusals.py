@@ -68,7 +68,9 @@ CONFLICTS: tuple[_Conflict, ...] = (
               f"--enable-hiradix selects --radix-cache-backend {BACKEND_NAME}"),
     _Conflict("speculative_algorithm", lambda v: v is not None,
               lambda v: f"--speculative-algorithm {v}",
-              "speculative decoding is not supported"),
+              "speculative decoding is not supported: the draft model's KV (EAGLE/MTP layers) has no tier "
+              "in hiradix and its verify steps change the tree outside the hooks; serve without it, or use "
+              "SGLang's HiCache (--enable-hierarchical-cache), which appends the draft layers to its host pool"),
     _Conflict("attn_dp_size", _gt1, lambda v: f"--attn-dp-size {v}",
               "DP attention is not supported"),
     _Conflict("enable_dp_attention", bool, lambda v: "--enable-dp-attention",
@@ -78,7 +80,8 @@ CONFLICTS: tuple[_Conflict, ...] = (
               "PD disaggregation is not supported"),
     _Conflict("pp_size", _gt1, lambda v: f"--pp-size {v}",
               "pipeline parallelism is not supported: the per-step hooks follow "
-              "the non-PP scheduler loop"),
+              "the non-PP scheduler loop (a PP stage holds only its layers' KV); use --tp-size, or "
+              "SGLang's HiCache (--enable-hierarchical-cache)"),
 )  # fmt: skip
 
 
@@ -199,6 +202,6 @@ def unsupported_build_context(ctx: Any) -> str | None:
             f"the model is not plain full attention (hybrid_swa={ctx.is_hybrid_swa}, "
             f"hybrid_ssm={ctx.is_hybrid_ssm}, dsa={getattr(ctx, 'is_dsa', False)})"
         )
-    if ctx.model_config.attention_arch != AttentionArch.MHA:
+    if ctx.model_config.attention_arch not in (AttentionArch.MHA, AttentionArch.MLA):
         return f"the model uses {ctx.model_config.attention_arch.name} attention"
     return None

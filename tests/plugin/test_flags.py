@@ -65,6 +65,8 @@ MLA_CONFIG = {
     "qk_rope_head_dim": 64,
     "v_head_dim": 128,
 }
+# DeepSeek-V3.2-like: MLA with the sparse-attention indexer (DSA), which hiradix refuses.
+DSA_CONFIG = {**MLA_CONFIG, "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "index_topk": 2048}
 # gpt-oss-like: sliding-window layers interleaved with full-attention layers.
 SWA_HYBRID_CONFIG = {
     **LLAMA_CONFIG,
@@ -189,11 +191,12 @@ REFUSALS = [
     ("lmcache", ["--enable-lmcache"], ["--enable-lmcache"]),
     ("flexkv", ["--enable-flexkv"], ["--enable-flexkv"]),
     ("other-backend", ["--radix-cache-backend", "flexkv"], ["--radix-cache-backend flexkv"]),
-    ("speculative", ["--speculative-algorithm", "EAGLE"], ["--speculative-algorithm EAGLE"]),
+    ("speculative", ["--speculative-algorithm", "EAGLE"], ["--speculative-algorithm EAGLE", "draft model's KV",
+                                                          "use SGLang's HiCache (--enable-hierarchical-cache)"]),
     ("attn-dp", ["--attn-dp-size", "2"], ["--attn-dp-size 2", "DP attention"]),
     ("dp-attention-deprecated", ["--dp-size", "2", "--enable-dp-attention"], ["--enable-dp-attention"]),
     ("pd-disaggregation", ["--disaggregation-mode", "prefill"], ["--disaggregation-mode prefill"]),
-    ("pipeline-parallel", ["--pp-size", "2"], ["--pp-size 2"]),
+    ("pipeline-parallel", ["--pp-size", "2"], ["--pp-size 2", "use --tp-size"]),
     ("nvme-gb-without-path", ["--hiradix-nvme-gb", "1"], ["--hiradix-nvme-gb 1 needs --hiradix-nvme-path"]),
     ("dram-negative", ["--hiradix-dram-gb", "-1"], ["--hiradix-dram-gb must be > 0, got -1"]),
     ("dram-over-ram", ["--hiradix-dram-gb", "1000000"], ["--hiradix-dram-gb 1000000 needs", "available"]),
@@ -292,8 +295,8 @@ def test_refuses_backend_name_without_enable(monkeypatch, capsys, cpu_flags, lla
 
 @pytest.mark.parametrize(
     "config, expected",
-    [(MLA_CONFIG, "an MLA model (kv_lora_rank=512"), (SWA_HYBRID_CONFIG, "a hybrid-attention model")],
-    ids=["mla", "sliding-window-hybrid"],
+    [(DSA_CONFIG, "a DeepSeek sparse-attention (DSA) model"), (SWA_HYBRID_CONFIG, "a hybrid-attention model")],
+    ids=["dsa", "sliding-window-hybrid"],
 )
 def test_refuses_unsupported_architecture(monkeypatch, capsys, cpu_flags, tmp_path, config, expected):
     model_dir = write_model_dir(tmp_path, "model", config)
@@ -763,8 +766,9 @@ def test_check_machine(tmp_path):
         ({**LLAMA_CONFIG, "model_type": "qwen3", "layer_types": ["full_attention"] * 2,
           "sliding_window": None, "use_sliding_window": False}, None),
         ({**LLAMA_CONFIG, "model_type": "mistral", "sliding_window": 4096}, None),
-        (MLA_CONFIG, "an MLA model (kv_lora_rank=512"),
-        ({"architectures": ["KimiVLForConditionalGeneration"], "text_config": MLA_CONFIG}, "an MLA model"),
+        (MLA_CONFIG, None),  # served since issue 18
+        ({"architectures": ["KimiVLForConditionalGeneration"], "text_config": MLA_CONFIG}, None),
+        (DSA_CONFIG, "a DeepSeek sparse-attention (DSA) model"),
         (SWA_HYBRID_CONFIG, "a hybrid-attention model (layer_types has ['full_attention', 'sliding_attention'])"),
         ({**LLAMA_CONFIG, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096},
          "a sliding-window model"),
@@ -778,7 +782,7 @@ def test_check_machine(tmp_path):
          "an encoder-decoder (cross-attention)"),
         ({**LLAMA_CONFIG, "attention_chunk_size": 8192}, "a chunked local-attention model"),
     ],
-    ids=["llama", "qwen3-all-full", "mistral-pure-swa", "mla", "nested-mla", "swa-hybrid", "qwen2-swa",
+    ids=["llama", "qwen3-all-full", "mistral-pure-swa", "mla", "nested-mla", "dsa", "swa-hybrid", "qwen2-swa",
          "gemma3-pattern", "jamba", "nemotron-h", "linear-layers", "whisper", "t5", "mllama", "llama4-chunked"],
 )  # fmt: skip
 def test_unsupported_model_reason(config, expected):
@@ -925,3 +929,8 @@ def test_page_bytes_estimate_matches_the_pools_of_the_local_models():
     assert page_bytes_estimate(small, 16, 1, "bfloat16", "fp8_e4m3") == 262144 // 4
     assert page_bytes_estimate({"text_config": small}, 16, 1, "float32") == 262144
     assert page_bytes_estimate({"architectures": ["X"]}, 16, 1, "auto") is None
+    # MLA: one latent row (kv_lora_rank + qk_rope_head_dim) per token and layer, the same on every TP rank
+    v2 = {**MLA_CONFIG, "num_hidden_layers": 2}
+    assert page_bytes_estimate(v2, 16, 1, "bfloat16") == 2 * 16 * (512 + 64) * 2 == 36864
+    assert page_bytes_estimate(v2, 16, 8, "bfloat16") == 36864  # not divided by TP
+    assert page_bytes_estimate(v2, 16, 1, "bfloat16", "fp8_e4m3") == 36864 // 2

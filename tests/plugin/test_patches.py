@@ -299,6 +299,7 @@ def test_apply_is_idempotent():
     import p03_hicache_host_pool_cpu as p03
     import p04_torch_native_extend_new_queries as p04
     import p05_hicache_page_first_direct_cpu as p05
+    import p06_torch_native_mla_dispatch as p06
 
     first = subprocess.run([PYTHON, str(PATCHES / "apply.py")], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
@@ -306,14 +307,14 @@ def test_apply_is_idempotent():
         [PYTHON, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
     files = [sp / "sglang/srt/mem_cache/pool_host/common.py", sp / "sglang/srt/mem_cache/pool_host/mha.py",
              sp / "torchvision/extension.py", sp / "sglang/srt/layers/attention/torch_native_backend.py",
-             *sorted((sp / "sgl_kernel").glob("*.py"))]
+             sp / "sglang/srt/models/deepseek_common/attention_backend_handler.py", *sorted((sp / "sgl_kernel").glob("*.py"))]
     files = [f for f in files if f.exists()]
     before = {f: _sha(f) for f in files}
     second = subprocess.run([PYTHON, str(PATCHES / "apply.py")], capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     lines = second.stdout.strip().splitlines()
-    assert len(lines) == 5, second.stdout
-    for module, line in zip((p01, p02, p03, p04, p05), lines):
+    assert len(lines) == 6, second.stdout
+    for module, line in zip((p01, p02, p03, p04, p05, p06), lines):
         assert line.startswith(f"[patches] {module.NAME}: "), line
         assert ": already applied (" in line or ": skipped (" in line, line
     assert {f: _sha(f) for f in files} == before
@@ -657,3 +658,22 @@ def test_extend_attention_with_cached_prefix_matches_full_recompute(prefix_lens,
         ref = torch.nn.functional.scaled_dot_product_attention(full_q, k, v, is_causal=True, scale=dim ** -0.5)
         torch.testing.assert_close(out[start : start + e], ref[:, p:].movedim(0, 1), rtol=1e-5, atol=1e-5)
         start += e
+
+
+MLA_DISPATCH_PROBE = """
+from types import SimpleNamespace
+from sglang.srt.models.deepseek_common.attention_backend_handler import AttentionBackendRegistry
+from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+handler = AttentionBackendRegistry.get_handler("torch_native")
+fresh_prefill = SimpleNamespace(extend_prefix_lens_cpu=[0], forward_mode=None)
+print(handler.__name__, handler(SimpleNamespace(), fresh_prefill) == AttnForwardMethod.MLA)
+"""
+
+
+def test_torch_native_mla_dispatch_takes_the_absorbed_path():
+    """p06: a DeepSeek prefill without a cached prefix on torch_native takes the absorbed MLA
+    method (stock falls back to the triton handler, i.e. the MHA path, which fails on CPU)."""
+    out = subprocess.run([PYTHON, "-c", MLA_DISPATCH_PROBE], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["handle_attention_torch_native", "True"], out.stdout

@@ -1,0 +1,161 @@
+"""MLA models end to end (issue 18, items 1-2): DeepSeek V2, V3 and a Kimi-K2-shaped model.
+
+The tiny presets of ``scripts/make_model.py`` (MLA attention, MoE MLPs, random weights) run on
+stock SGLang 0.5.23 with ``patches/p06_torch_native_mla_dispatch.py``, and under hiradix with a
+KV layout of one latent row per token and layer (``KVLayout.rope_dim``: ``ckv`` then ``kpe``).
+All servers of the module start at once and stay up for its tests (integrity checked every step):
+
+| server      | model            | tiers                                           | tests                          |
+|-------------|------------------|-------------------------------------------------|--------------------------------|
+| stock-v2    | tiny-deepseek-v2 | HBM 32,768 tokens (never evicts)                 | reference outputs              |
+| hiradix-v2a | tiny-deepseek-v2 | HBM 1,024, DRAM 0.001 GB, NVMe, cluster store    | churn, store, restart          |
+| hiradix-v2b | tiny-deepseek-v2 | same, its own NVMe, the same store               | turns moved from v2a hit the store |
+| stock-v3 / hiradix-v3 | tiny-deepseek-v3 | as stock-v2 / HBM 1,024, DRAM 0.001 GB, NVMe | churn               |
+| stock-k2 / hiradix-k2 | tiny-kimi-k2     | as stock-v2 / HBM 1,024, DRAM 0.001 GB, NVMe | churn               |
+
+Working set: 12 sessions x 3 turns (~3.6k tokens) against ~2.6k tokens of HBM + DRAM, so
+histories fall to NVMe and come back from it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hiradix.sglang_plugin.model_check import page_bytes_estimate
+from hiradix.testing.mooncake import MooncakeCluster
+from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
+from tests.helpers.e2e import assert_same_outputs, chat, metric, run_sessions, tier_hits, user_turn
+
+pytestmark = pytest.mark.e2e
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PRESETS = ("tiny-deepseek-v2", "tiny-deepseek-v3", "tiny-kimi-k2")
+SESSIONS, TURNS, WORDS = 12, 3, 25
+ROUTED_SESSIONS = 4  # sessions 100.. moved between v2a and v2b every turn
+PAGE_TOKENS = 16
+SYSTEM = {"role": "system", "content": "You are a terse assistant."}
+
+
+def mla_model(preset: str, root: Path) -> Path:
+    """models/<preset>, built by scripts/make_model.py if missing (idempotent, ~6 s)."""
+    out = root / preset
+    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "make_model.py"), "--preset", preset, "--out", str(out)],
+                   check=True, capture_output=True, timeout=600)  # fmt: skip
+    return out
+
+
+def hiradix_flags(nvme: Path, store: MooncakeCluster | None) -> list[str]:
+    nvme.mkdir(parents=True, exist_ok=True)
+    flags = ["--max-running-requests", "2", "--page-size", str(PAGE_TOKENS), "--enable-hiradix",
+             "--hiradix-dram-gb", "0.001", "--hiradix-nvme-path", str(nvme), "--hiradix-nvme-gb", "0.1",
+             "--hiradix-load-timeout-s", "5"]  # fmt: skip
+    if store is not None:
+        flags += ["--hiradix-store", "mooncake", "--hiradix-store-config", store.config_json()]
+    return flags
+
+
+def make_server(model: Path, log: Path, flags: list[str], hbm_tokens: int) -> ServerProcess:
+    env = {**cpu_env(), "HIRADIX_CHECK_INTEGRITY": "1"}
+    return ServerProcess(model, extra_args=cpu_args(hbm_tokens) + flags, env=env, log_path=log)
+
+
+@pytest.fixture(scope="module")
+def mla_servers(store, tmp_path_factory) -> dict[str, ServerProcess]:
+    root = tmp_path_factory.mktemp("mla")
+    models = {p: mla_model(p, REPO_ROOT / "models") for p in PRESETS}
+    stock_flags = ["--max-running-requests", "2", "--page-size", str(PAGE_TOKENS)]
+    servers: dict[str, ServerProcess] = {}
+    for preset, short in zip(PRESETS, ("v2", "v3", "k2")):
+        servers[f"stock-{short}"] = make_server(models[preset], root / f"stock-{short}.log", stock_flags, 32768)
+        ends = ("a", "b") if short == "v2" else ("",)
+        for end in ends:
+            flags = hiradix_flags(root / f"nvme-{short}{end}", store if short == "v2" else None)
+            servers[f"hiradix-{short}{end}"] = make_server(models[preset], root / f"hiradix-{short}{end}.log", flags, 1024)
+    try:
+        for server in servers.values():
+            server.start(wait=False)
+        for server in servers.values():
+            server.wait_healthy()
+        yield servers  # a test may replace a server (restart): the one in the dict is stopped
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def stock_results(mla_servers) -> dict[str, list[list[dict]]]:
+    """The churn workload on the three stock servers (reference outputs), once per module."""
+    return {short: run_sessions(mla_servers[f"stock-{short}"].base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS)
+            for short in ("v2", "v3", "k2")}  # fmt: skip
+
+
+def assert_sane(server: ServerProcess) -> str:
+    log = server.log_text()
+    assert "Traceback" not in log and "IntegrityError" not in log, log[-4000:]
+    return log
+
+
+@pytest.mark.parametrize("preset, short, name", [(PRESETS[0], "v2", "v2a"), (PRESETS[1], "v3", "v3"),
+                                                 (PRESETS[2], "k2", "k2")], ids=["deepseek-v2", "deepseek-v3", "kimi-k2"])
+def test_every_tier_churning_gives_the_outputs_of_stock(mla_servers, stock_results, preset, short, name):
+    server = mla_servers[f"hiradix-{name}"]
+    got = run_sessions(server.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS)
+    assert_same_outputs(got, stock_results[short])
+    hits = tier_hits(got)
+    assert hits["host"] > 0 and hits["storage"] > 0, hits  # DRAM and NVMe (or the store) served turns
+    assert metric(server.base_url, "sglang:hiradix_prefetch_tokens_total", outcome="completed") > 0
+    # One latent row per token and layer, no K/V split: the page the tiers hold is the launcher's estimate.
+    config = json.loads((Path(server.model_path) / "config.json").read_text())
+    page_bytes = page_bytes_estimate(config, PAGE_TOKENS, 1, "float32")
+    assert page_bytes == config["num_hidden_layers"] * PAGE_TOKENS * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4
+    log = assert_sane(server)
+    assert re.search(rf"hiradix tiers: DRAM \d+ pages \({page_bytes} B each\)", log), log[-3000:]
+
+
+def from_store(r: dict) -> int:
+    m = re.search(r"mooncake=(\d+)", r["details"].get("storage_backend") or "")
+    return int(m.group(1)) if m else 0
+
+
+def test_turns_moved_to_the_other_server_hit_through_the_store(mla_servers):
+    a, b, stock = mla_servers["hiradix-v2a"], mla_servers["hiradix-v2b"], mla_servers["stock-v2"]
+    histories = [[SYSTEM] for _ in range(ROUTED_SESSIONS)]
+    got: list[list[dict]] = [[] for _ in range(ROUTED_SESSIONS)]
+    for t in range(TURNS):
+        for s in range(ROUTED_SESSIONS):
+            histories[s].append({"role": "user", "content": user_turn(100 + s, t, WORDS)})
+            got[s].append(chat((a, b)[(s + t) % 2].base_url, histories[s]))
+            histories[s].append({"role": "assistant", "content": got[s][-1]["text"]})
+    expected = run_sessions(stock.base_url, ROUTED_SESSIONS, TURNS, WORDS, first_session=100)
+    assert_same_outputs(got, expected)
+    first_cross = [session[1] for session in got]  # the other server never saw these sessions
+    assert sum(map(from_store, first_cross)) >= sum(session[0]["prompt_tokens"] // 2 for session in got), first_cross
+    for server in (a, b):
+        assert metric(server.base_url, "sglang:hiradix_store_pages_total", op="put") > 0
+        assert metric(server.base_url, "sglang:hiradix_store_pages_total", op="get") > 0
+        assert_sane(server)
+
+
+def test_restart_re_indexes_the_nvme_tier_of_latent_pages(mla_servers, tmp_path):
+    old = mla_servers["hiradix-v2a"]
+    prompt = [SYSTEM, {"role": "user", "content": user_turn(0, 0, WORDS)}]
+    before = chat(old.base_url, prompt)
+    nvme_tokens = metric(old.base_url, "sglang:hiradix_tier_used_tokens", tier="NVMe")
+    old.stop()
+    assert nvme_tokens > 0
+    new = ServerProcess(old.model_path, extra_args=old.extra_args, env=old.env, log_path=tmp_path / "restarted.log")
+    mla_servers["hiradix-v2a"] = new  # stopped by the module fixture
+    new.start()
+    restored = metric(new.base_url, "sglang:hiradix_nvme_restored_pages")
+    after = chat(new.base_url, prompt)
+    log = assert_sane(new)
+    logged = re.search(r"same fingerprint; re-indexed (\d+) pages", log)
+    assert logged and int(logged.group(1)) == restored > 0, log[-3000:]
+    assert after["text"] == before["text"] and after["details"].get("device", 0) == 0
+    assert after["cached"] >= PAGE_TOKENS, after  # from the re-indexed NVMe pages (or the store)
