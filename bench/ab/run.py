@@ -57,11 +57,13 @@ from typing import Sequence
 if __package__ in (None, ""):  # run as a file: python bench/ab/run.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import psutil
+
 from bench.common import server_metrics
 from bench.ab.report import SystemRun, format_table, identical_fraction, per_turn_summary, verdict_lines  # noqa: F401
 from bench.ab.report import write_outputs
 from bench.ab.systems import (  # noqa: F401 (re-exported: bench.cluster.run and tests use them from here)
-    BUILTIN_SYSTEMS, DEFAULT_SYSTEMS, IDEAL, TEMPLATE_TOKENS_PER_MESSAGE, System, ideal_pool_tokens,
+    BUILTIN_SYSTEMS, DEFAULT_SYSTEMS, IDEAL, TEMPLATE_TOKENS_PER_MESSAGE, System, hicache_memory_problem, ideal_pool_tokens,
     kv_bytes_per_token, nvme_gb_for_run, remove_tier_files, resolve_systems, token_counter, with_ideal_pool,
     with_tier_sizes, working_set_tokens)
 from bench.common.conversations import Session, load_sessions
@@ -272,6 +274,9 @@ def prepare(args: argparse.Namespace, hiradix_args: Sequence[str], run_dir: Path
         ValueError: On bad systems or a workload that does not fit the pool.
     """
     systems = resolve_systems(args.systems, args.system, hiradix_args, shlex.split(args.server_args))
+    problem = hicache_memory_problem([s.name for s in systems], psutil.virtual_memory().available)
+    if problem is not None:
+        raise SystemExit(f"bench.ab: {problem}")
     model_path = Path(args.model)
     if not model_path.is_absolute() and not model_path.exists():
         model_path = REPO_ROOT / model_path

@@ -39,6 +39,21 @@ BUILTIN_SYSTEMS: dict[str, tuple[str, ...]] = {
 }  # fmt: skip
 IDEAL = "ideal"
 HICACHE = "hicache"  # stock SGLang HiCache: hiradix systems are also compared with it
+# SGLang 0.5.23 leaves this much host RAM free when it sizes HiCache's host pool
+# (HICACHE_HOST_MEMORY_RESERVE_BYTES, mem_cache/pool_host/base.py): with less available, the
+# HiCache server dies at start ("Not enough host memory available").
+HICACHE_RESERVE_BYTES = 10 * (1 << 30)
+
+
+def hicache_memory_problem(systems: Sequence[str], available_bytes: int) -> Optional[str]:
+    """Why the HiCache systems among ``systems`` cannot start here, or None (checked before any
+    server starts, so the run stops with this message instead of a dead server's traceback)."""
+    names = [name for name in systems if name.rstrip("0123456789") == HICACHE]
+    if not names or available_bytes > HICACHE_RESERVE_BYTES:
+        return None
+    return (f"system {names[0]!r} (stock SGLang HiCache) needs more than {HICACHE_RESERVE_BYTES / (1 << 30):.0f} GiB "
+            f"of free RAM (SGLang's HICACHE_HOST_MEMORY_RESERVE_BYTES) but {available_bytes / (1 << 30):.1f} GiB is "
+            f"available; free memory, or leave it out: --systems stock,ideal,hiradix,ideal2")
 DEFAULT_SYSTEMS = "stock,ideal,hiradix,hicache,ideal2"
 TEMPLATE_TOKENS_PER_MESSAGE = 16  # chat-template tokens around a message (upper bound, local models)
 @dataclass(frozen=True)

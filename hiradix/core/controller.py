@@ -582,7 +582,12 @@ class TierController:
             for ancestor in missing:
                 if ancestor.ops or in_flight >= MAX_DEMOTIONS_IN_FLIGHT:
                     continue  # a transfer is using it (maybe this very copy): next step
-                kind = Kind.DEMOTE if ancestor.in_tier(Tier.DRAM) else Kind.BACKUP
+                if ancestor.in_tier(Tier.DRAM):
+                    kind = Kind.DEMOTE
+                elif ancestor.in_tier(Tier.HBM):
+                    kind = Kind.BACKUP
+                else:
+                    continue  # only the cluster store holds it: no local copy to write down
                 op = self.placement.prepare(kind, [ancestor])
                 if op is None:
                     continue

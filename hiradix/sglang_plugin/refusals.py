@@ -50,6 +50,11 @@ class _Conflict:
     why: str
 
 
+_DP_WHY = ("DP attention is not supported yet: one tree per DP rank is not built, and stock SGLang 0.5.23's "
+           "DP attention does not run on the CPU path hiradix is tested on (README, 'What hiradix serves'); "
+           "use --tp-size without --attn-dp-size, or SGLang's HiCache")
+
+
 def _gt1(v: Any) -> bool:
     return v is not None and v > 1
 
@@ -71,13 +76,14 @@ CONFLICTS: tuple[_Conflict, ...] = (
               "speculative decoding is not supported: the draft model's KV (EAGLE/MTP layers) has no tier "
               "in hiradix and its verify steps change the tree outside the hooks; serve without it, or use "
               "SGLang's HiCache (--enable-hierarchical-cache), which appends the draft layers to its host pool"),
-    _Conflict("attn_dp_size", _gt1, lambda v: f"--attn-dp-size {v}",
-              "DP attention is not supported"),
-    _Conflict("enable_dp_attention", bool, lambda v: "--enable-dp-attention",
-              "DP attention is not supported"),
+    _Conflict("attn_dp_size", _gt1, lambda v: f"--attn-dp-size {v}", _DP_WHY),
+    _Conflict("enable_dp_attention", bool,
+              lambda v: "--enable-dp-attention (SGLang 0.5.23 rewrites it to --attn-dp-size N)", _DP_WHY),
     _Conflict("disaggregation_mode", lambda v: v not in (None, "null"),
               lambda v: f"--disaggregation-mode {v}",
-              "PD disaggregation is not supported"),
+              "PD disaggregation is not supported yet: hiradix has no prefill-side or decode-side path "
+              "(README, 'What hiradix serves'); serve prefill and decode on one server, or use SGLang's "
+              "HiCache on the prefill server"),
     _Conflict("pp_size", _gt1, lambda v: f"--pp-size {v}",
               "pipeline parallelism is not supported: the per-step hooks follow "
               "the non-PP scheduler loop (a PP stage holds only its layers' KV); use --tp-size, or "

@@ -241,3 +241,17 @@ def test_ideal_pool_holds_the_working_set():
         ("stock", None, None), ("ideal", 8192, None), ("stock2", None, "stock")]
     with pytest.raises(ValueError, match="--max-total-tokens"):
         ab.check_fits(sessions, 32, 50, lambda text: 10, own_answers=True)
+
+
+def test_hicache_without_its_ram_reserve_stops_before_any_server_starts():
+    """SGLang keeps 10 GiB free when it sizes HiCache's host pool; with less available the run
+    says so up front instead of ending in a dead server's traceback (review of issue 17)."""
+    from bench.ab.systems import HICACHE_RESERVE_BYTES, hicache_memory_problem
+
+    low = 8 << 30
+    problem = hicache_memory_problem(["stock", "hiradix", "hicache"], low)
+    assert problem is not None and "'hicache'" in problem and "8.0 GiB is available" in problem
+    assert "--systems stock,ideal,hiradix,ideal2" in problem
+    assert hicache_memory_problem(["stock", "hicache2"], low) is not None  # an A/A copy too
+    assert hicache_memory_problem(["stock", "hiradix"], low) is None
+    assert hicache_memory_problem(["hicache"], HICACHE_RESERVE_BYTES + 1) is None

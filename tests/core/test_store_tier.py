@@ -241,3 +241,35 @@ def test_admission_retries_do_not_ask_again_after_a_lookup_found_nothing(cluster
         assert not b.cache.should_wait(prompt)
         b.step()
     assert b.tiers.store.counts["lookup_pages"] == 3  # asked once
+
+
+def test_persisting_a_prefix_skips_ancestors_only_the_store_holds():
+    """A page landed on NVMe whose ancestor is held only by the cluster store (no HBM, DRAM or
+    NVMe copy, e.g. evicted after its PUT): nothing local can be written down for it, so the
+    journal keeps the node waiting instead of opening a BACKUP of a node without device slots
+    (found by tests/e2e/test_e2e_mla.py: a TypeError in the scheduler)."""
+    from types import SimpleNamespace
+
+    from hiradix.core.controller import TierController
+
+    class Node(SimpleNamespace):
+        __hash__ = object.__hash__  # identity, as TreeNode
+
+        def in_tier(self, tier):
+            return tier in self.held
+
+    parent = Node(held={Tier.STORE}, ops=0, alive=True)
+    child = Node(held={Tier.NVME}, ops=0, alive=True)
+    prepared, synced = [], []
+    journal = SimpleNamespace(landed=[child], sync=lambda: synced.append(1))
+    ctl = SimpleNamespace(
+        journal=journal,
+        books=SimpleNamespace(nvme_enabled=True, in_flight=lambda kind: []),
+        tree=SimpleNamespace(path=lambda node: [parent, node]),
+        placement=SimpleNamespace(prepare=lambda kind, nodes: prepared.append((kind, nodes))),
+    )
+    TierController._persist_prefixes(ctl)
+    assert prepared == [] and journal.landed == [child] and synced == [1]
+    parent.held = {Tier.HBM, Tier.STORE}  # back in HBM: now it is backed up (then demoted)
+    TierController._persist_prefixes(ctl)
+    assert [kind.name for kind, _ in prepared] == ["BACKUP"]

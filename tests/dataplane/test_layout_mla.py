@@ -65,10 +65,11 @@ def test_mla_sizes_and_planes():
     assert layout.page_bytes == 3 * 1_664
     assert layout.dram_shape(5) == (5, 3, 16 * 52)
     assert mla_layout(page_major=False).dram_shape(5) == (3, 5, 16 * 52)
-    # DeepSeek-V3 per token and layer: 576 elements (512 + 64), 1,152 bytes in bf16, 70.3x less than
-    # its 128 heads x (192 + 128) of MHA K/V would take
+    # DeepSeek-V3 per token and layer: 576 elements (512 + 64), 1,152 bytes in bf16, 71x less than
+    # per-head K and V of its 128 heads x (192 + 128) elements would take
     v3 = KVLayout(61, 1, 1, 576, torch.bfloat16, rope_dim=64)
     assert v3.layer_page_bytes == 1_152
+    assert KVLayout(61, 1, 128, 192, torch.bfloat16).layer_page_bytes // 2 + 128 * 128 * 2 == 81_920
     assert KVLayout.from_json(v3.to_json()) == v3
 
 

@@ -12,6 +12,7 @@ All servers of the module start at once and stay up for its tests (integrity che
 | hiradix-v2b | tiny-deepseek-v2 | same, its own NVMe, the same store               | turns moved from v2a hit the store |
 | stock-v3 / hiradix-v3 | tiny-deepseek-v3 | as stock-v2 / HBM 1,024, DRAM 0.001 GB, NVMe | churn               |
 | stock-k2 / hiradix-k2 | tiny-kimi-k2     | as stock-v2 / HBM 1,024, DRAM 0.001 GB, NVMe | churn               |
+| stock-v2tp2 / hiradix-v2tp2 | tiny-deepseek-v2, TP 2 | as stock-v2 / HBM 1,024, DRAM 0.001 GB, the store (no NVMe) | one store copy per page, every rank reads it |
 
 Working set: 12 sessions x 3 turns (~3.6k tokens) against ~2.6k tokens of HBM + DRAM, so
 histories fall to NVMe and come back from it.
@@ -60,9 +61,11 @@ def hiradix_flags(nvme: Path, store: MooncakeCluster | None) -> list[str]:
     return flags
 
 
-def make_server(model: Path, log: Path, flags: list[str], hbm_tokens: int) -> ServerProcess:
-    env = {**cpu_env(), "HIRADIX_CHECK_INTEGRITY": "1"}
-    return ServerProcess(model, extra_args=cpu_args(hbm_tokens) + flags, env=env, log_path=log)
+def make_server(model: Path, log: Path, flags: list[str], hbm_tokens: int, tp_size: int = 1) -> ServerProcess:
+    env = {**cpu_env(tp_size=tp_size), "HIRADIX_CHECK_INTEGRITY": "1"}
+    tp = ["--tp-size", str(tp_size)] if tp_size > 1 else []
+    return ServerProcess(model, extra_args=cpu_args(hbm_tokens) + tp + flags, env=env, log_path=log,
+                         startup_timeout_s=600)
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +80,14 @@ def mla_servers(store, tmp_path_factory) -> dict[str, ServerProcess]:
         for end in ends:
             flags = hiradix_flags(root / f"nvme-{short}{end}", store if short == "v2" else None)
             servers[f"hiradix-{short}{end}"] = make_server(models[preset], root / f"hiradix-{short}{end}.log", flags, 1024)
+    # TP 2: stock TP 2 (the reference: TP changes the float sums), and hiradix with HBM, DRAM and the
+    # store only, so histories come back from the store, whose objects rank 0 alone wrote.
+    v2 = models[PRESETS[0]]
+    servers["stock-v2tp2"] = make_server(v2, root / "stock-v2tp2.log", stock_flags, 32768, tp_size=2)
+    tp2_flags = hiradix_flags(root / "unused", store)
+    cut = tp2_flags.index("--hiradix-nvme-path")
+    del tp2_flags[cut : cut + 4]  # no NVMe tier
+    servers["hiradix-v2tp2"] = make_server(v2, root / "hiradix-v2tp2.log", tp2_flags, 1024, tp_size=2)
     try:
         for server in servers.values():
             server.start(wait=False)
@@ -159,3 +170,24 @@ def test_restart_re_indexes_the_nvme_tier_of_latent_pages(mla_servers, tmp_path)
     assert logged and int(logged.group(1)) == restored > 0, log[-3000:]
     assert after["text"] == before["text"] and after["details"].get("device", 0) == 0
     assert after["cached"] >= PAGE_TOKENS, after  # from the re-indexed NVMe pages (or the store)
+
+
+def test_tp2_ranks_share_one_store_copy_and_match_stock_tp2(mla_servers, store):
+    """MLA at TP 2: both ranks hold the same latent, so the store gets one object per page (rank 0
+    puts, its keys carry no rank) and both ranks read that object when a history returns."""
+    stock, server = mla_servers["stock-v2tp2"], mla_servers["hiradix-v2tp2"]
+    keys_before = store.key_count()
+    expected = run_sessions(stock.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS, first_session=200)
+    got = run_sessions(server.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS, first_session=200)
+    assert_same_outputs(got, expected)
+    hits = tier_hits(got)
+    assert hits["storage"] > 0, hits  # histories came back from the store, on both ranks (same tokens)
+    puts = {rank: metric(server.base_url, "sglang:hiradix_store_pages_total", op="put", tp_rank=str(rank)) for rank in (0, 1)}
+    new_keys = store.key_count() - keys_before
+    # One object per page, not one per rank (keys with the rank would make 2 x puts[0]); a page put
+    # again after its record was dropped rewrites its object, so a few puts add no key.
+    assert puts[0] > 0 and 0.9 * puts[0] <= new_keys <= puts[0], (puts, new_keys)
+    gets = {rank: metric(server.base_url, "sglang:hiradix_store_pages_total", op="get", tp_rank=str(rank)) for rank in (0, 1)}
+    assert gets[0] == gets[1] > 0, gets  # every rank read the pages rank 0 wrote
+    log = assert_sane(server)
+    assert "TP ranks disagree" not in log
