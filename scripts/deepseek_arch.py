@@ -1,6 +1,6 @@
 """DeepSeek-architecture test models for scripts/make_model.py: MLA attention and MoE MLPs.
 
-Three tiny presets with random weights, shaped after the families SGLang is known for serving
+Three tiny presets (tests) and one small one (benchmarks) with random weights, shaped after the families SGLang is known for serving
 (numbers from their published config.json files, scaled down):
 
 - ``tiny-deepseek-v2``: ``DeepseekV2ForCausalLM`` as DeepSeek-V2-Lite: no query LoRA
@@ -79,6 +79,14 @@ MLA_PRESETS = {
         qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=24, num_experts_per_tok=8,
         n_shared_experts=1, first_k_dense_replace=1, topk_method="noaux_tc", scoring_func="sigmoid",
         n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.827, yarn_beta_fast=1.0),
+    # Benchmarks (bench.ab --model models/small-deepseek-v2): ~140M parameters, a prefill that
+    # costs enough on CPU for a cache hit to show in TTFT (like the dense `small`).
+    "small-deepseek-v2": MLAPreset(
+        "DeepseekV2ForCausalLM", "deepseek_v2", num_hidden_layers=8, hidden_size=1024, intermediate_size=2560,
+        moe_intermediate_size=512, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=256,
+        qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, topk_method="greedy", scoring_func="softmax",
+        n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0, yarn_mscale=0.707),
 }  # fmt: skip
 
 

@@ -97,15 +97,19 @@ def resolve_systems(names: str, custom: Sequence[str], hiradix_args: Sequence[st
 
 
 def kv_bytes_per_token(model_path: Path, dtype_bytes: int = 4) -> int:
-    """Device KV bytes per token of a model dir (K and V, all layers; float32 as `cpu_args`).
+    """Device KV bytes per token of a model dir (all layers; float32 as `cpu_args`): K and V per
+    head, or MLA's one latent row (`hiradix.sglang_plugin.model_check.page_bytes_estimate`).
 
     Raises:
         OSError, KeyError: `config.json` is missing or lacks the attention sizes.
     """
+    from hiradix.sglang_plugin.model_check import page_bytes_estimate
+
     cfg = json.loads((Path(model_path) / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes
+    per_token = page_bytes_estimate(cfg, 1, 1, {4: "float32", 2: "bfloat16"}[dtype_bytes])
+    if per_token is None:
+        raise KeyError(f"{model_path}/config.json lacks the attention sizes")
+    return per_token
 
 
 def working_set_tokens(sessions: Sequence[Session], max_tokens: int,

@@ -225,6 +225,11 @@ def test_tier_sizes_are_equal_for_hicache_and_hiradix(tmp_path):
                                                    "num_key_value_heads": 4, "num_hidden_layers": 8}))
     per_token = ab.kv_bytes_per_token(model)
     assert per_token == 2 * 8 * 4 * 64 * 4
+    mla = tmp_path / "mla"
+    mla.mkdir()
+    (mla / "config.json").write_text(json.dumps({"hidden_size": 1024, "num_attention_heads": 16, "num_hidden_layers": 8,
+                                                 "kv_lora_rank": 256, "qk_rope_head_dim": 32}))
+    assert ab.kv_bytes_per_token(mla) == 8 * (256 + 32) * 4  # one latent row per layer, no K/V pair
     systems = ab.resolve_systems("stock,hicache,lru,lookahead", [], [], [])
     sized = ab.with_tier_sizes(systems, 2.0, 1.5, 2048 * per_token, tmp_path)
     args = {s.name: list(s.server_args) for s in sized}
