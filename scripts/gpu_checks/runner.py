@@ -8,7 +8,7 @@ Usage::
 
 Installs what the machine lacks offline from ``--wheels`` (``pip install --no-index --no-deps
 --target``; ``*.tar.xz``/``*.tar.gz`` there are unpacked into the same target, e.g. a trimmed
-FlashInfer), imports hiradix from this checkout, runs three independent checks, each in its own
+FlashInfer), imports hiradix from this checkout, runs four independent checks, each in its own
 process with its own time budget (skipped, with the reason, when too little time is left), and
 writes ``results.json`` (every figure) and ``gpu_check.log`` into ``--out``:
 
@@ -18,7 +18,10 @@ writes ``results.json`` (every figure) and ``gpu_check.log`` into ``--out``:
    ``hiradix.dataplane.device_copy``; HBM -> DRAM stores against one D2H copy.
 2. ``nvme`` (:mod:`gpu_checks.nvme`): ``NvmeStore.read_slots_to_device`` (KvikIO/GDS and
    POSIX) against raw reads of the same bytes.
-3. ``flashinfer`` (:mod:`gpu_checks.attention`): paged attention over pages loaded DRAM ->
+3. ``mla`` (:mod:`gpu_checks.mla`): MLA latent pages (DeepSeek-V3 rows, ``ckv`` + ``kpe``)
+   DRAM -> HBM by each path, bit-exact, GB/s; FlashInfer's paged MLA decode over them against a
+   float64 reference.
+4. ``flashinfer`` (:mod:`gpu_checks.attention`): paged attention over pages loaded DRAM ->
    HBM, against a float64 reference.
 
 Every figure is in the unit its key names (``_ms``, ``_s``, ``_GBps`` = 1e9 bytes/s, ``_MiB``).
@@ -49,9 +52,9 @@ from gpu_checks.summary import summary_lines
 
 SCRIPT = REPO_ROOT / "scripts" / "gpu_check"
 DEFAULT_BUDGET_S = 450.0  # the whole script; the device run wraps it in `timeout 470`
-CHECKS = ("layerwise", "nvme", "flashinfer")
+CHECKS = ("layerwise", "nvme", "mla", "flashinfer")
 # name: (cap of its budget, least time worth starting it with), seconds
-CHECK_BUDGETS = {"layerwise": (120.0, 25.0), "nvme": (80.0, 15.0), "flashinfer": (320.0, 40.0)}
+CHECK_BUDGETS = {"layerwise": (120.0, 25.0), "nvme": (80.0, 15.0), "mla": (60.0, 15.0), "flashinfer": (320.0, 40.0)}
 RESERVE_S = 8.0  # kept back for merging and writing results
 _FI_WORKSPACE = "/tmp/gpu_check_flashinfer"
 
@@ -66,6 +69,10 @@ def _check_fn(name: str):
         from gpu_checks.nvme import check_nvme
 
         return check_nvme
+    if name == "mla":
+        from gpu_checks.mla import check_mla
+
+        return check_mla
     from gpu_checks.attention import check_flashinfer
 
     return check_flashinfer

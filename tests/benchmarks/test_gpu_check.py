@@ -65,7 +65,7 @@ def test_pick_disk_dir_takes_the_explicit_dir(gc, tmp_path):
 
 
 @pytest.mark.skipif(CUDA, reason="checks the no-GPU skip path")
-@pytest.mark.parametrize("name", ["layerwise", "nvme", "flashinfer"])
+@pytest.mark.parametrize("name", ["layerwise", "nvme", "mla", "flashinfer"])
 def test_checks_skip_cleanly_without_cuda(gc, tmp_path, name):
     ctx = gc.Ctx(name, tmp_path / f"{name}.json", deadline=1e18, quick=True, allow_cpu=False, opts={})
     getattr(gc, f"check_{name}")(ctx)
@@ -113,7 +113,15 @@ def _run(tmp_path: Path, *extra: str) -> dict:
 def test_cpu_dry_run_exercises_every_check(tmp_path):
     results = _run(tmp_path, "--allow-cpu", "--quick")
     checks = results["checks"]
-    assert set(checks) == {"layerwise", "nvme", "flashinfer"}
+    assert set(checks) == {"layerwise", "nvme", "mla", "flashinfer"}
+    mla = checks["mla"]
+    assert mla["status"] == "ok", mla
+    assert mla["layout"]["row"] == 576 and mla["layout"]["layer_page_bytes"] == 16 * 576 * 2
+    for path in ("gather", "runs", "host"):
+        assert mla["load_paths"][path]["status"] == "ok" and mla["load_paths"][path]["verified_bit_exact"], path
+        assert mla["load_paths"][path]["load_GBps"] > 0
+    assert mla["attention"]["torch_fp32_vs_fp64_rel_err"] < 1e-2
+    assert mla["attention"]["flashinfer"] == {"status": "skipped", "reason": "no CUDA device"}
     lw = checks["layerwise"]
     assert lw["status"] == "ok", lw
     assert set(lw["variants"]) == {"gather_pinned", "runs_pinned", "host_pageable", "limit_memcpy_pinned"}

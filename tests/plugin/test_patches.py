@@ -300,6 +300,7 @@ def test_apply_is_idempotent():
     import p04_torch_native_extend_new_queries as p04
     import p05_hicache_page_first_direct_cpu as p05
     import p06_torch_native_mla_dispatch as p06
+    import p07_pd_prefill_host_indices_cpu as p07
 
     first = subprocess.run([PYTHON, str(PATCHES / "apply.py")], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
@@ -307,14 +308,15 @@ def test_apply_is_idempotent():
         [PYTHON, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
     files = [sp / "sglang/srt/mem_cache/pool_host/common.py", sp / "sglang/srt/mem_cache/pool_host/mha.py",
              sp / "torchvision/extension.py", sp / "sglang/srt/layers/attention/torch_native_backend.py",
-             sp / "sglang/srt/models/deepseek_common/attention_backend_handler.py", *sorted((sp / "sgl_kernel").glob("*.py"))]
+             sp / "sglang/srt/models/deepseek_common/attention_backend_handler.py",
+             sp / "sglang/srt/disaggregation/prefill.py", *sorted((sp / "sgl_kernel").glob("*.py"))]
     files = [f for f in files if f.exists()]
     before = {f: _sha(f) for f in files}
     second = subprocess.run([PYTHON, str(PATCHES / "apply.py")], capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     lines = second.stdout.strip().splitlines()
-    assert len(lines) == 6, second.stdout
-    for module, line in zip((p01, p02, p03, p04, p05, p06), lines):
+    assert len(lines) == 7, second.stdout
+    for module, line in zip((p01, p02, p03, p04, p05, p06, p07), lines):
         assert line.startswith(f"[patches] {module.NAME}: "), line
         assert ": already applied (" in line or ": skipped (" in line, line
     assert {f: _sha(f) for f in files} == before
