@@ -79,11 +79,11 @@ CONFLICTS: tuple[_Conflict, ...] = (
     _Conflict("attn_dp_size", _gt1, lambda v: f"--attn-dp-size {v}", _DP_WHY),
     _Conflict("enable_dp_attention", bool,
               lambda v: "--enable-dp-attention (SGLang 0.5.23 rewrites it to --attn-dp-size N)", _DP_WHY),
-    _Conflict("disaggregation_mode", lambda v: v not in (None, "null"),
+    _Conflict("disaggregation_mode", lambda v: v not in (None, "null", "prefill"),
               lambda v: f"--disaggregation-mode {v}",
-              "PD disaggregation is not supported yet: hiradix has no prefill-side or decode-side path "
-              "(README, 'What hiradix serves'); serve prefill and decode on one server, or use SGLang's "
-              "HiCache on the prefill server"),
+              "hiradix serves the prefill side of PD disaggregation only (the decode-side offload is not "
+              "built: README, 'What hiradix serves'); run the decode server without --enable-hiradix, "
+              "with the prefill server's --page-size"),
     _Conflict("pp_size", _gt1, lambda v: f"--pp-size {v}",
               "pipeline parallelism is not supported: the per-step hooks follow "
               "the non-PP scheduler loop (a PP stage holds only its layers' KV); use --tp-size, or "

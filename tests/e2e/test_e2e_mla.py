@@ -119,7 +119,11 @@ def test_every_tier_churning_gives_the_outputs_of_stock(mla_servers, stock_resul
     got = run_sessions(server.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS)
     assert_same_outputs(got, stock_results[short])
     hits = tier_hits(got)
-    assert hits["host"] > 0 and hits["storage"] > 0, hits  # DRAM and NVMe (or the store) served turns
+    assert hits["storage"] > 0, hits  # histories came back from NVMe (or the store)
+    # ... through DRAM: pages went HBM -> DRAM -> NVMe and back NVMe -> DRAM -> HBM (whether a turn
+    # finds its pages still in DRAM, "host" hits, depends on timing: a fresh clone had none for v3)
+    for kind in ("BACKUP", "DEMOTE", "PROMOTE"):
+        assert metric(server.base_url, "sglang:hiradix_moved_tokens_total", kind=kind) > 0, kind
     assert metric(server.base_url, "sglang:hiradix_prefetch_tokens_total", outcome="completed") > 0
     # One latent row per token and layer, no K/V split: the page the tiers hold is the launcher's estimate.
     config = json.loads((Path(server.model_path) / "config.json").read_text())
