@@ -391,16 +391,10 @@ def _store_pages_from_host(
     gather, the page scatter) instead of three through a staging buffer.
 
     ``dram``: ``(N, L, E)`` (page-major) or ``(L, N, E)``, ``E`` the planes of a layer page."""
-    count = ids.numel()
     for layer in range(layout.num_layers):
         pages = dram[:, layer] if layout.page_major else dram[layer]  # (N, E)
-        bufs = layer_buffers(k_buffers, v_buffers, layer)
-        offset = 0
-        for index, first, width in layout.planes:
-            size = layout.page_size * width
-            rows = _plane_rows(bufs[index], first, width, layout).index_select(0, slots)
-            pages[:, offset : offset + size].index_copy_(0, ids, rows.view(count, size))
-            offset += size
+        for cols, rows in _gathered_planes(layer_buffers(k_buffers, v_buffers, layer), slots, layout):
+            pages[:, cols].index_copy_(0, ids, rows)
 
 
 def _gather_device(
@@ -421,14 +415,20 @@ def _gather_device(
     staging = torch.empty((*outer, layout.layer_page_elements), dtype=layout.dtype, device=k_buffers[0].device)
     for layer in range(layout.num_layers):
         dst = staging[:, layer] if layout.page_major else staging[layer]  # (c, E)
-        bufs = layer_buffers(k_buffers, v_buffers, layer)
-        offset = 0
-        for index, first, width in layout.planes:
-            size = layout.page_size * width
-            rows = _plane_rows(bufs[index], first, width, layout).index_select(0, slots)
-            dst[:, offset : offset + size].copy_(rows.view(count, size))
-            offset += size
+        for cols, rows in _gathered_planes(layer_buffers(k_buffers, v_buffers, layer), slots, layout):
+            dst[:, cols].copy_(rows)
     return staging
+
+
+def _gathered_planes(bufs: Sequence[torch.Tensor], slots: torch.Tensor, layout: KVLayout):
+    """Per plane of one layer: ``(columns of the layer page, rows gathered at slots as (c, size))``."""
+    count = slots.numel() // layout.page_size
+    offset = 0
+    for index, first, width in layout.planes:
+        size = layout.page_size * width
+        rows = _plane_rows(bufs[index], first, width, layout).index_select(0, slots)
+        yield slice(offset, offset + size), rows.view(count, size)
+        offset += size
 
 
 def _rows(buf: torch.Tensor) -> torch.Tensor:
