@@ -140,7 +140,8 @@ def _ratio(flag: str, ratio: Any) -> float:
 
 
 FLAGS: tuple[FlagSpec, ...] = (
-    FlagSpec("dram_gb", "dram_bytes", float, 4.0, "DRAM tier per scheduler process (TP rank), in GB (1e9 bytes).",
+    FlagSpec("dram_gb", "dram_bytes", float, 4.0, ("DRAM tier per scheduler process (TP rank), in GB (1e9 bytes); an MLA model under TP: per node, "
+             "one copy its ranks share."),
              "GB", convert=_gb_to_bytes),
     FlagSpec("dram_ratio", "dram_ratio", float, None,
              "DRAM tier as a multiple of the device KV pool's bytes (like --hicache-ratio); "
@@ -152,7 +153,8 @@ FLAGS: tuple[FlagSpec, ...] = (
     FlagSpec("nvme_path", "nvme_path", str, None,
              "Directory for the NVMe tier's files (must exist; a private hiradix-rank<r>/ is made inside).",
              "DIR", convert=_resolve_path),
-    FlagSpec("nvme_gb", "nvme_bytes", float, 0.0, "NVMe tier per TP rank, in GB; 0 = no NVMe tier.", "GB",
+    FlagSpec("nvme_gb", "nvme_bytes", float, 0.0, ("NVMe tier per TP rank, in GB (an MLA model under TP: per node, one copy its ranks share); "
+             "0 = no NVMe tier."), "GB",
              convert=_gb_to_bytes),
     FlagSpec("policy", "policy", str, "lookahead",
              ("Eviction/promotion policy: lookahead (queue-aware, CachedAttention §3.3), predictive (the queue, "

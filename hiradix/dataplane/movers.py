@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -51,13 +51,23 @@ class HostMover:
         loader: the per-layer load counter registered with the KV pool.
         load_path: force a DRAM -> HBM path (``device_copy.LOAD_PATHS``; gpu_check, tests);
             None chooses with :func:`hiradix.dataplane.device_copy.choose_load_path`.
+        writes_dram: False on a TP rank that maps another rank's DRAM pool (MLA, one host copy
+            per node, :mod:`hiradix.runtime.shared_host_copy`): its backups complete without
+            copying (the owner rank writes the identical latent); promotions still copy.
+        flush_barrier: with a shared pool, called by :meth:`flush` on every rank after its own
+            copies (a barrier over the TP group): a flush's copies are applied without an
+            agreement (:meth:`hiradix.core.controller.TierController._reap`), so a rank that
+            does not write must not go on until the owner's copies have landed.
 
     Attributes:
         load_path: the DRAM -> HBM path in use (``"gather"``, ``"runs"`` or ``"host"``).
     """
 
-    def __init__(self, kv_pool: Any, dram: DramPool, loader: LayerwiseLoader, load_path: Optional[str] = None):
+    def __init__(self, kv_pool: Any, dram: DramPool, loader: LayerwiseLoader, load_path: Optional[str] = None,
+                 writes_dram: bool = True, flush_barrier: Optional[Callable[[], None]] = None):
         self.kv_pool = kv_pool
+        self.writes_dram = writes_dram
+        self.flush_barrier = flush_barrier
         self.dram = dram
         self.layout = dram.layout
         self.loader = loader
@@ -120,6 +130,8 @@ class HostMover:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _copy_backup(self, op: Transfer) -> None:
+        if not self.writes_dram:
+            return  # the owner rank writes these pages of the shared pool
         slots = self._slots(op)
         if self.cuda and self.dram.cuda_pinned:
             device_copy.store_pages_async(self._k(), self._v(), slots, self.dram.tensor, op.dst_ids, self.layout)
@@ -183,7 +195,10 @@ class HostMover:
         self.loader.flush()
         if self.cuda and self._backups:
             self._stream.synchronize()
-        return self.finished()
+        done = self.finished()
+        if self.flush_barrier is not None:
+            self.flush_barrier()  # every rank flushes at the same point: the owner's copies have landed
+        return done
 
     def drop_pending(self) -> None:
         """Forget pending copies without running them (after :meth:`flush`, on reset)."""

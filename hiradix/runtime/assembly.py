@@ -35,6 +35,8 @@ from hiradix.persistence.fingerprint import is_store_writer, kv_fingerprint, sto
 from hiradix.persistence.index import INDEX_FILE_NAME, NvmeIndex
 from hiradix.persistence.journal import IndexJournal, restore
 from hiradix.runtime.rank_sync import RankSync
+from hiradix.runtime.shared_host_copy import (OWNER_RANK, ReplicaIOClient, ReplicaJournal, share_persisted_pages,
+                                              shared_dram_pool, wants_shared_copy)
 from hiradix.tiers.dram import DramPool, num_pages_for_bytes
 from hiradix.tiers.files import default_shm_dir, ensure_private_dir, lock_dir, remove_stale_dirs
 from hiradix.tiers.nvme import NVME_FILE_NAME, NvmeStore, slot_bytes_for
@@ -149,11 +151,16 @@ def dram_bytes_of(config: Any, layout: KVLayout, device_pages: int) -> int:
             )
         logger.info("hiradix: DRAM tier %s x the device pool (%d bytes) = %d bytes", flag, device_bytes, dram_bytes)
     return dram_bytes
+def _nvme_slots(config: Any, layout: KVLayout) -> int:
+    """NVMe slots of ``--hiradix-nvme-gb`` (0: no NVMe tier)."""
+    return max(0, config.nvme_bytes) // slot_bytes_for(layout.page_bytes)
+
+
 def _nvme_tier(config: Any, layout: KVLayout, tp_rank: int, page_size: int, identity: Optional[dict]):
     """``(dir, slots, lock fd, index, persisted pages)`` of this rank's NVMe tier (0 slots: none)."""
     if config.nvme_bytes <= 0:
         return None, 0, -1, None, []
-    nvme_slots = config.nvme_bytes // slot_bytes_for(layout.page_bytes)
+    nvme_slots = _nvme_slots(config, layout)
     nvme_dir = Path(config.nvme_path) / f"hiradix-rank{tp_rank}"
     lock_fd = lock_dir(nvme_dir)  # also makes it private (0700)
     index, pages = None, []
@@ -202,26 +209,41 @@ def build_tiers(
     remove_stale_dirs(shm_dir)
     ensure_private_dir(shm_dir)  # 0700: it holds the worker's socket directory
     remove_on_exit(shm_dir)
-    dram = DramPool.create_anonymous(layout, dram_pages)
+    shared = wants_shared_copy(layout, tp_group)  # MLA under TP: one host copy per node
+    if shared:
+        dram, shared = shared_dram_pool(layout, dram_pages, tp_rank, tp_group)
+    else:
+        dram = DramPool.create_anonymous(layout, dram_pages)
+    owner = not shared or tp_rank == OWNER_RANK  # moves the pages below HBM (all of them, when shared)
     device = device_buffers(kv_pool, layout)[0][0].device
     if device.type == "cuda":
         dram.pin_for_cuda()  # False (one warning): the pool stays pageable and copies stay correct
-    nvme_dir, nvme_slots, lock_fd, index, pages = _nvme_tier(config, layout, tp_rank, page_size, identity)
+    if owner:
+        nvme_dir, nvme_slots, lock_fd, index, pages = _nvme_tier(config, layout, tp_rank, page_size, identity)
+    else:  # the owner's NVMe tier: same slots in the books, no directory here
+        nvme_dir, nvme_slots, lock_fd, index, pages = None, _nvme_slots(config, layout), -1, None, []
+    if shared:
+        pages = share_persisted_pages(pages, tp_rank, tp_group)
     key_prefix = None
     if config.has_store_tier:
         if identity is None:
             raise ValueError("the cluster store needs the model identity for its keys")
         key_prefix = store_key_prefix(identity["model_id"], identity["model_dtype"], layout, tp_rank, identity["tp_size"])
     client = None
-    if nvme_slots > 0 or key_prefix is not None:
+    if (nvme_slots > 0 or key_prefix is not None) and not owner:
+        client = ReplicaIOClient()
+    elif nvme_slots > 0 or key_prefix is not None:
         client = start_worker(dram, nvme_dir, nvme_slots, shm_dir, io_backend, keep=index is not None and index.reused,
                               store_backend=config.store_backend or "", store_config=config.store_config,
                               tp_rank=tp_rank, store_writer=is_store_writer(layout, tp_rank))
     books = TierBooks(tree, dram_pages, nvme_slots)
     loader = LayerwiseLoader(layout.num_layers, device, counter_factory)
-    mover = HostMover(kv_pool, dram, loader)
+    barrier = (lambda: torch.distributed.barrier(group=tp_group)) if shared else None
+    mover = HostMover(kv_pool, dram, loader, writes_dram=owner, flush_barrier=barrier)
     multi_rank = tp_group is not None and torch.distributed.get_world_size(tp_group) > 1
     journal = IndexJournal(index, tree) if index is not None else None
+    if not owner and nvme_slots > 0 and identity is not None:
+        journal = ReplicaJournal()  # the owner persists; this rank keeps the same books
     tiers = TierController(tree, books, mover, client, layout.page_bytes, config.write_policy == "write_through",
                            sync=RankSync(tp_group) if multi_rank else None, journal=journal,
                            store_key_prefix=key_prefix, store_write_policy=config.store_write_policy,
@@ -233,7 +255,8 @@ def build_tiers(
         tiers.on_close(index.close)
     if lock_fd >= 0:
         tiers.on_close(lambda: os.close(lock_fd))
-    logger.info("hiradix tiers: DRAM %d pages (%d B each) at %s; NVMe %d slots; cluster store %s",
+    logger.info("hiradix tiers: DRAM %d pages (%d B each) at %s; NVMe %d slots; cluster store %s%s",
                 dram_pages, layout.page_bytes, dram.path, nvme_slots,
-                f"{config.store_backend} (keys {key_prefix}*)" if key_prefix else "off")
+                f"{config.store_backend} (keys {key_prefix}*)" if key_prefix else "off",
+                "" if not shared else f"; one host copy per node, {'owned' if owner else 'mapped'} by this rank")
     return tiers, loader
