@@ -4,7 +4,9 @@
 SGLang's parser. Only when `--enable-hiradix` is given, `after_from_cli_args` validates them
 into a `HiRadixConfig`, refuses configurations hiradix cannot serve
 (`hiradix.sglang_plugin.refusals`; also any `--hicache-*` flag, naming hiradix's equivalent),
-selects `--radix-cache-backend hiradix`, defaults `--page-size` to 16, turns on
+selects `--radix-cache-backend hiradix` (not on a PD decode server, which keeps no radix cache: there
+hiradix turns on the decode-side offload, `hiradix.sglang_plugin.decode_side`, and needs a cluster
+store), defaults `--page-size` to 16, turns on
 `--enable-cache-report` and `--enable-metrics` (hiradix's hit details and metrics need them),
 stashes the config as `server_args._hiradix_config` (bookkeeping attributes ride the pickled
 record to the spawned schedulers) and exports it as `HIRADIX_CONFIG` (JSON fallback); `after_resolve_once` re-checks what SGLang's own resolution
@@ -32,7 +34,9 @@ from hiradix.sglang_plugin.refusals import (
     BACKEND_NAME,
     first_conflict,
     given_hicache_flag,
+    is_decode_side,
     refuse,
+    refuse_decode_side_without_store,
     refuse_tiers_below_one_page,
     refuse_unreachable_store,
 )
@@ -143,6 +147,9 @@ def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -
         config = HiRadixConfig.from_flags(**{spec.name: getattr(namespace, spec.dest, None) for spec in FLAGS})
     except HiRadixConfigError as e:
         refuse(str(e))
+    decode_side = is_decode_side(result)
+    if decode_side:
+        refuse_decode_side_without_store(config)
     if result.page_size is not None and result.page_size < 1:
         refuse(f"--page-size must be >= 1 with --enable-hiradix, got {result.page_size}")
     tp_size = int(getattr(result, "tp_size", 1) or 1)
@@ -166,7 +173,8 @@ def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -
         refuse_unreachable_store(config)
 
     setattr(result, CONFIG_ATTR, config)
-    result.radix_cache_backend = BACKEND_NAME
+    if not decode_side:  # a decode server keeps no radix cache: the decode-side offload runs instead
+        result.radix_cache_backend = BACKEND_NAME
     if result.page_size is None:
         result.page_size = DEFAULT_PAGE_SIZE_TOKENS
     # What hiradix's own features report through: per-request hit details and /metrics.

@@ -136,6 +136,28 @@ HOOKS: tuple[HookSpec, ...] = (
         purpose="skip, without blocking the queue, a request whose NVMe reads are in flight",
     ),
     HookSpec(
+        target="sglang.srt.managers.scheduler.Scheduler.init_batch_result_processor",
+        hook="hiradix.sglang_plugin.decode_side:after_init_batch_result_processor",
+        hook_type="after",
+        scope=Scope.SCHEDULER,
+        purpose="build the decode-side offload (PD decode server with a cluster store)",
+    ),
+    HookSpec(
+        target="sglang.srt.managers.scheduler_components.batch_result_processor."
+        "SchedulerBatchResultProcessor._prepare_kv_cache_release",
+        hook="hiradix.sglang_plugin.decode_side:before_prepare_kv_cache_release",
+        hook_type="before",
+        scope=Scope.SCHEDULER,
+        purpose="put a finished request's pages into the cluster store before its slots are freed (PD decode)",
+    ),
+    HookSpec(
+        target="sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.process_decode_queue",
+        hook="hiradix.sglang_plugin.decode_side:after_process_decode_queue",
+        hook_type="after",
+        scope=Scope.SCHEDULER,
+        purpose="reap the decode-side offload's PUTs every decode step",
+    ),
+    HookSpec(
         target="sglang.srt.managers.tp_worker.TpModelWorker.get_worker_info",
         hook="hiradix.sglang_plugin.admission:after_get_worker_info",
         hook_type="after",

@@ -79,11 +79,9 @@ CONFLICTS: tuple[_Conflict, ...] = (
     _Conflict("attn_dp_size", _gt1, lambda v: f"--attn-dp-size {v}", _DP_WHY),
     _Conflict("enable_dp_attention", bool,
               lambda v: "--enable-dp-attention (SGLang 0.5.23 rewrites it to --attn-dp-size N)", _DP_WHY),
-    _Conflict("disaggregation_mode", lambda v: v not in (None, "null", "prefill"),
+    _Conflict("disaggregation_mode", lambda v: v not in (None, "null", "prefill", "decode"),
               lambda v: f"--disaggregation-mode {v}",
-              "hiradix serves the prefill side of PD disaggregation only (the decode-side offload is not "
-              "built: README, 'What hiradix serves'); run the decode server without --enable-hiradix, "
-              "with the prefill server's --page-size"),
+              "hiradix serves PD disaggregation's prefill and decode sides only"),
     _Conflict("pp_size", _gt1, lambda v: f"--pp-size {v}",
               "pipeline parallelism is not supported: the per-step hooks follow "
               "the non-PP scheduler loop (a PP stage holds only its layers' KV); use --tp-size, or "
@@ -91,8 +89,21 @@ CONFLICTS: tuple[_Conflict, ...] = (
 )  # fmt: skip
 
 
+# On a decode server SGLang itself disables the radix cache (its resolution, for every decode
+# server): hiradix keeps no tree there, it offloads finished requests (sglang_plugin.decode_side).
+DECODE_SIDE_ACCEPTS = frozenset({"disable_radix_cache"})
+
+
+def is_decode_side(config_view: Any) -> bool:
+    """Whether this is the decode server of PD disaggregation (``--disaggregation-mode decode``)."""
+    return getattr(config_view, "disaggregation_mode", None) == "decode"
+
+
 def first_conflict(config_view: Any) -> tuple[_Conflict, Any] | None:
+    skip = DECODE_SIDE_ACCEPTS if is_decode_side(config_view) else frozenset()
     for conflict in CONFLICTS:
+        if conflict.field in skip:
+            continue
         value = getattr(config_view, conflict.field, None)
         if conflict.is_conflict(value):
             return conflict, value
@@ -138,6 +149,22 @@ def given_hicache_flag(server_args: Any) -> tuple[str, Any, str] | None:
         if value != defaults[field]:
             return "--" + field.replace("_", "-"), value, equivalent
     return None
+def refuse_decode_side_without_store(config: HiRadixConfig) -> None:
+    """Refuse hiradix on a PD decode server that has no cluster store, or that is given an NVMe
+    tier: its only job there is to put finished requests' pages where the prefill side reads."""
+    store, store_config = FLAG_OF_FIELD["store_backend"], FLAG_OF_FIELD["store_config"]
+    if not config.has_store_tier:
+        refuse(f"--enable-hiradix with --disaggregation-mode decode needs a cluster store: give {store} and "
+               f"{store_config}, the same store as the prefill servers' (the decode-side offload puts each "
+               f"finished request's pages into a store the prefill side can read; the decode server keeps "
+               f"no prefix cache of its own); or run the decode server without --enable-hiradix, with the "
+               f"prefill server's --page-size")
+    if config.has_nvme_tier:
+        refuse(f"{FLAG_OF_FIELD['nvme_path']} and {FLAG_OF_FIELD['nvme_bytes']} do not apply with "
+               f"--disaggregation-mode decode: the decode server keeps no prefix cache; its DRAM "
+               f"({FLAG_OF_FIELD['dram_bytes']}) stages the pages it puts into {store}")
+
+
 STORE_PROBE_TIMEOUT_S = 10.0  # the launcher waits at most this long to reach the cluster store
 
 

@@ -196,8 +196,13 @@ REFUSALS = [
     ("attn-dp", ["--attn-dp-size", "2"], ["--attn-dp-size 2", "DP attention", "use --tp-size without --attn-dp-size"]),
     ("dp-attention-deprecated", ["--dp-size", "2", "--enable-dp-attention"],
      ["--enable-dp-attention (SGLang 0.5.23 rewrites it to --attn-dp-size N)", "DP attention"]),
-    ("pd-decode", ["--disaggregation-mode", "decode"], ["--disaggregation-mode decode", "prefill side of PD disaggregation only",
-                                                        "run the decode server without --enable-hiradix"]),
+    # issue 18: the decode side offloads finished requests into the store the prefill side reads
+    ("pd-decode-without-store", ["--disaggregation-mode", "decode"],
+     ["--disaggregation-mode decode needs a cluster store", "--hiradix-store and --hiradix-store-config",
+      "a store the prefill side can read", "run the decode server without --enable-hiradix"]),
+    ("pd-decode-with-nvme", ["--disaggregation-mode", "decode", "--hiradix-store", "mooncake", "--hiradix-store-config",
+                             '{"master_server_address": "127.0.0.1:1"}', "--hiradix-nvme-path", "/tmp", "--hiradix-nvme-gb", "1"],
+     ["--hiradix-nvme-path and --hiradix-nvme-gb do not apply with --disaggregation-mode decode"]),
     ("pipeline-parallel", ["--pp-size", "2"], ["--pp-size 2", "use --tp-size"]),
     ("nvme-gb-without-path", ["--hiradix-nvme-gb", "1"], ["--hiradix-nvme-gb 1 needs --hiradix-nvme-path"]),
     ("dram-negative", ["--hiradix-dram-gb", "-1"], ["--hiradix-dram-gb must be > 0, got -1"]),
@@ -936,3 +941,13 @@ def test_page_bytes_estimate_matches_the_pools_of_the_local_models():
     assert page_bytes_estimate(v2, 16, 1, "bfloat16") == 2 * 16 * (512 + 64) * 2 == 36864
     assert page_bytes_estimate(v2, 16, 8, "bfloat16") == 36864  # not divided by TP
     assert page_bytes_estimate(v2, 16, 1, "bfloat16", "fp8_e4m3") == 36864 // 2
+
+
+def test_decode_side_accepts_the_radix_cache_sglang_disables_there():
+    # SGLang's resolution disables the radix cache on every PD decode server; hiradix keeps no tree
+    # there (the decode-side offload runs instead), so only there is it not a conflict.
+    view = types.SimpleNamespace(disaggregation_mode="decode", disable_radix_cache=True)
+    assert refusals.first_conflict(view) is None
+    view.disaggregation_mode = "prefill"
+    rule, _ = refusals.first_conflict(view)
+    assert rule.field == "disable_radix_cache"
