@@ -8,7 +8,7 @@ from typing import Any
 def summary_lines(checks: dict[str, Any]) -> list[str]:
     """One block of lines per check, in the order they ran."""
     return (_layerwise(checks.get("layerwise", {})) + _nvme(checks.get("nvme", {}))
-            + _attention(checks.get("flashinfer", {})))
+            + _attention(checks.get("flashinfer", {})) + _dp(checks.get("dp", {})))
 
 
 def _layerwise(lw: dict[str, Any]) -> list[str]:
@@ -72,4 +72,15 @@ def _attention(fl: dict[str, Any]) -> list[str]:
             err = tr.get("max_rel_err", tr.get("rel_err"))
             lines.append(f"    {part}: rel err {err:.2e} finite={tr['all_written_finite']} plan {tr['plan_s']} s"
                          + (f" kernel {tr['kernel_median_us']} us" if "kernel_median_us" in tr else ""))
+    return lines
+
+
+def _dp(dp: dict[str, Any]) -> list[str]:
+    if not dp:
+        return []
+    lines = [f"dp: {dp.get('status')} {dp.get('reason', '')}".rstrip()]
+    if "outputs_match" in dp:
+        n = dp.get("requests")
+        lines.append(f"  TP 2 x DP 2 vs TP 2: sequential {dp['matching_sequential']}/{n}, parallel "
+                     f"{dp['matching_parallel']}/{n} equal; DP ranks used {dp.get('dp_ranks_used')}")
     return lines

@@ -73,6 +73,27 @@ def test_checks_skip_cleanly_without_cuda(gc, tmp_path, name):
     assert "CUDA" in ctx.result["reason"]
 
 
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_dp_check_needs_two_gpus(gc, tmp_path, monkeypatch, gpus):
+    dp = sys.modules["gpu_checks.dp"]
+    monkeypatch.setattr(dp, "_gpu_count", lambda: gpus)
+    ctx = gc.Ctx("dp", tmp_path / "dp.json", deadline=1e18, quick=True, allow_cpu=True, opts={})
+    gc.check_dp(ctx)
+    assert ctx.result["status"] == "skipped"
+    assert ctx.result["reason"] == f"needs 2 GPUs (TP 2 x DP 2); {gpus} visible"
+    assert ctx.result["reason"].startswith(gc.NEEDS_GPUS_REASON)
+
+
+def test_dp_check_skips_without_sglang(gc, tmp_path, monkeypatch):
+    dp = sys.modules["gpu_checks.dp"]
+    monkeypatch.setattr(dp, "_gpu_count", lambda: 2)
+    monkeypatch.setattr(dp, "_probe_sglang", lambda env: {"ok": False, "error": "No module named 'sglang'"})
+    ctx = gc.Ctx("dp", tmp_path / "dp.json", deadline=1e18, quick=True, allow_cpu=True, opts={})
+    gc.check_dp(ctx)
+    assert ctx.result["status"] == "skipped"
+    assert ctx.result["reason"] == "SGLang is not importable on this machine: No module named 'sglang'"
+
+
 def test_layer_done_counter_stand_in_when_sglang_is_missing(gc, monkeypatch):
     for name in ("sglang", "sglang.srt", "sglang.srt.managers", "sglang.srt.managers.cache_controller"):
         monkeypatch.setitem(sys.modules, name, None)  # import fails; restored after the test
@@ -113,7 +134,8 @@ def _run(tmp_path: Path, *extra: str) -> dict:
 def test_cpu_dry_run_exercises_every_check(tmp_path):
     results = _run(tmp_path, "--allow-cpu", "--quick")
     checks = results["checks"]
-    assert set(checks) == {"layerwise", "nvme", "mla", "flashinfer"}
+    assert set(checks) == {"layerwise", "nvme", "mla", "flashinfer", "dp"}
+    assert checks["dp"]["status"] == "skipped" and checks["dp"]["reason"] == "needs 2 GPUs (TP 2 x DP 2); 0 visible"
     mla = checks["mla"]
     assert mla["status"] == "ok", mla
     assert mla["layout"]["row"] == 576 and mla["layout"]["layer_page_bytes"] == 16 * 576 * 2
