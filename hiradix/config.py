@@ -37,6 +37,8 @@ ENV_VAR = "HIRADIX_CONFIG"
 BYTES_PER_GB = 10**9
 WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")
 DRAM_MODES: tuple[str, ...] = ("cache", "staging")
+# MLA under TP: one host copy (DRAM, NVMe) per node, shared by the ranks, or one per rank.
+MLA_HOST_COPIES: tuple[str, ...] = ("node", "rank")
 STORE_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")  # see hiradix.core.store_tier
 
 
@@ -177,6 +179,10 @@ FLAGS: tuple[FlagSpec, ...] = (
     FlagSpec("store_write_policy", "store_write_policy", str, "write_through",
              "When KV is put into the store: write_through (once in DRAM) or write_back (once it left HBM).",
              choices=lambda: list(STORE_WRITE_POLICIES)),
+    FlagSpec("mla_host_copy", "mla_host_copy", str, "node",
+             "MLA model under TP (every rank holds the same latent): node = one DRAM pool and NVMe tier per node, "
+             "written by rank 0 and read by every rank ((TP-1)/TP of the host bytes saved); rank = one per rank.",
+             choices=lambda: list(MLA_HOST_COPIES)),
 )  # fmt: skip
 FLAG_BY_NAME: dict[str, FlagSpec] = {f.name: f for f in FLAGS}
 FLAG_OF_FIELD: dict[str, str] = {f.field: f.flag for f in FLAGS}  # for error messages
@@ -218,6 +224,8 @@ class HiRadixConfig:
             Flag `--hiradix-store-config`.
         store_write_policy: When KV is put into the store (`hiradix.core.store_tier`).
             Flag `--hiradix-store-write-policy`.
+        mla_host_copy: MLA under TP: "node" (one host copy the ranks of a node share,
+            `hiradix.runtime.shared_host_copy`) or "rank" (one per rank). Flag `--hiradix-mla-host-copy`.
     """
 
     dram_bytes: int = _default("dram_gb")
@@ -232,6 +240,7 @@ class HiRadixConfig:
     store_backend: Optional[str] = None
     store_config: str = ""
     store_write_policy: str = _default("store_write_policy")
+    mla_host_copy: str = _default("mla_host_copy")
 
     def __post_init__(self) -> None:
         self._validate()
@@ -278,6 +287,9 @@ class HiRadixConfig:
                 f"NVMe pages through DRAM, so some DRAM is needed; for DRAM used only by pages in flight "
                 f"between HBM and NVMe give a small {flag['dram_bytes']} with {flag['dram_mode']} staging"
             )
+        if self.mla_host_copy not in MLA_HOST_COPIES:
+            raise HiRadixConfigError(
+                f"{flag['mla_host_copy']} must be one of {list(MLA_HOST_COPIES)}, got {self.mla_host_copy!r}")
         if self.dram_mode not in DRAM_MODES:
             raise HiRadixConfigError(f"{flag['dram_mode']} must be one of {list(DRAM_MODES)}, got {self.dram_mode!r}")
         if self.dram_mode == "staging" and self.nvme_bytes == 0:

@@ -138,6 +138,9 @@ class TierController:
         self.sync = sync or SingleRank()
         self.journal = journal
         books.nvme_journal = journal
+        # Host bytes (DRAM, NVMe) this process reserves for its tiers; set by the assembly (0 on
+        # a TP rank that uses another rank's copy, ``hiradix.runtime.shared_host_copy``).
+        self.reserved_bytes: tuple[int, int] = (0, 0)
         self.stats = TierStats()
         self.reads_ahead = returns.ReadAhead(books.dram.capacity, self.stats.read_ahead_tokens)  # predicted returns
         self._prefetch_deadline_s: dict[int, Optional[float]] = {}  # PREFETCH op -> give-up time; None: not yet waited on

@@ -209,7 +209,7 @@ def build_tiers(
     remove_stale_dirs(shm_dir)
     ensure_private_dir(shm_dir)  # 0700: it holds the worker's socket directory
     remove_on_exit(shm_dir)
-    shared = wants_shared_copy(layout, tp_group)  # MLA under TP: one host copy per node
+    shared = wants_shared_copy(layout, tp_group, config.mla_host_copy)  # MLA under TP: one host copy per node
     if shared:
         dram, shared = shared_dram_pool(layout, dram_pages, tp_rank, tp_group)
     else:
@@ -248,6 +248,9 @@ def build_tiers(
                            sync=RankSync(tp_group) if multi_rank else None, journal=journal,
                            store_key_prefix=key_prefix, store_write_policy=config.store_write_policy,
                            store_retry_s=store_retry_s, dram_staging=config.dram_mode == "staging")
+    # Host bytes this process reserves (the metrics' sglang:hiradix_reserved_bytes): 0 on a rank
+    # that uses the owner's copy.
+    tiers.reserved_bytes = (dram.dram_bytes, nvme_slots * slot_bytes_for(layout.page_bytes)) if owner else (0, 0)
     tiers.on_close(dram.close)
     tiers.on_close(lambda: shutil.rmtree(shm_dir, ignore_errors=True))
     if index is not None:

@@ -48,6 +48,8 @@ SERIES: tuple[Series, ...] = (
     Series("sglang:hiradix_tier_used_tokens", "gauge", "Tokens of cached KV the tree holds in each tier", "tier", TIERS),
     Series("sglang:hiradix_tier_capacity_bytes", "gauge", "Bytes of KV each tier can hold", "tier", TIERS),
     Series("sglang:hiradix_tier_used_bytes", "gauge", "Bytes of cached KV the tree holds in each tier", "tier", TIERS),
+    Series("sglang:hiradix_reserved_bytes", "gauge",
+           "Host bytes this process reserves for a tier (0 where another TP rank holds the copy it uses)", "tier", TIERS),
     Series("sglang:hiradix_moved_tokens_total", "counter", "Tokens moved between tiers, by transfer kind", "kind", KINDS),
     Series("sglang:hiradix_moved_bytes_total", "counter", "Bytes moved between tiers, by transfer kind", "kind", KINDS),
     Series("sglang:hiradix_failed_transfers_total", "counter", "Transfers with at least one failed page", "kind", KINDS),
@@ -83,10 +85,12 @@ class TierMetrics:
             0 for a tier that is absent, and for the cluster store, whose size is the store's).
         registry: the prometheus_client registry (default: the process's, which SGLang's
             multiprocess collector reads); tests pass their own.
+        reserved_bytes: host bytes this process reserves for DRAM and NVMe (0 on a TP rank
+            that maps another rank's copy: summed over ranks, the node's host bytes).
     """
 
     def __init__(self, labels: dict[str, Any], page_size: int, page_bytes: int, capacity_pages: tuple[int, ...],
-                 registry: Any = None):
+                 registry: Any = None, reserved_bytes: tuple[int, int] = (0, 0)):
         from prometheus_client import REGISTRY, Counter, Gauge
 
         registry = REGISTRY if registry is None else registry
@@ -110,6 +114,8 @@ class TierMetrics:
         for tier, pages in zip(TIERS, capacity_pages):
             self._set("sglang:hiradix_tier_capacity_tokens", pages * page_size, tier)
             self._set("sglang:hiradix_tier_capacity_bytes", pages * page_bytes, tier)
+        for tier, size_bytes in zip(("DRAM", "NVMe"), reserved_bytes):
+            self._set("sglang:hiradix_reserved_bytes", size_bytes, tier)
 
     def _labels(self, series: Series, value: Optional[str]) -> dict[str, str]:
         return self.labels if value is None else {**self.labels, series.label: value}

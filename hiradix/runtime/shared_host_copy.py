@@ -17,14 +17,13 @@ agreed completion), and freed only when no rank uses it (the same books).
 Saved: (TP - 1) / TP of the host copy (1/2 at TP 2, 7/8 at TP 8) and of the NVMe bytes.
 SGLang's HiCache keeps one host copy per rank (``mem_cache/pool_host/mla.py``) and one storage
 writer (``mem_cache/hicache_storage.py``). Ranks on different hosts (multi-node TP) keep one copy
-per rank, as do ranks that cannot map the owner's pool (then with one warning); the environment
-variable ``HIRADIX_SHARE_MLA_HOST_COPY=0`` forces per-rank copies (for measurements).
+per rank, as do ranks that cannot map the owner's pool (then with one warning);
+``--hiradix-mla-host-copy rank`` asks for per-rank copies (for measurements).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from collections import deque
 from pathlib import Path
@@ -40,7 +39,6 @@ from hiradix.tiers.dram import DramPool
 logger = logging.getLogger(__name__)
 
 OWNER_RANK = 0  # rank in the TP group that owns the node's host copy
-SHARE_ENV = "HIRADIX_SHARE_MLA_HOST_COPY"
 
 
 def _host_id() -> str:
@@ -52,21 +50,21 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def wants_shared_copy(layout: KVLayout, tp_group: Optional[Any]) -> bool:
+def wants_shared_copy(layout: KVLayout, tp_group: Optional[Any], mode: str = "node") -> bool:
     """Whether the ranks of ``tp_group`` share one host copy: an MLA layout, more than one rank,
-    every rank on this host, and not switched off by ``HIRADIX_SHARE_MLA_HOST_COPY=0``.
+    ``mode`` "node" (``--hiradix-mla-host-copy``, the same on every rank) and every rank on this host.
 
-    A collective on ``tp_group`` (every rank must call it) when the group has several ranks.
+    A collective on ``tp_group`` (every rank must call it) when it may share.
     """
     if not layout.is_mla or tp_group is None or torch.distributed.get_world_size(tp_group) < 2:
         return False
-    hosts: list[Any] = [None] * torch.distributed.get_world_size(tp_group)
-    torch.distributed.all_gather_object(hosts, (_host_id(), os.environ.get(SHARE_ENV, "1")), group=tp_group)
-    if any(flag == "0" for _, flag in hosts):
-        logger.info("hiradix: %s=0: one MLA host copy per TP rank", SHARE_ENV)
+    if mode != "node":
+        logger.info("hiradix: --hiradix-mla-host-copy %s: one MLA host copy per TP rank", mode)
         return False
-    if len({host for host, _ in hosts}) > 1:
-        logger.info("hiradix: TP ranks on %d hosts: one MLA host copy per rank", len({h for h, _ in hosts}))
+    hosts: list[Any] = [None] * torch.distributed.get_world_size(tp_group)
+    torch.distributed.all_gather_object(hosts, _host_id(), group=tp_group)
+    if len(set(hosts)) > 1:
+        logger.info("hiradix: TP ranks on %d hosts: one MLA host copy per rank", len(set(hosts)))
         return False
     return True
 

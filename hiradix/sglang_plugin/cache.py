@@ -153,7 +153,7 @@ class TieredRadixCache(BasePrefixCache):
         books = self.tiers.books
         pages = (self.token_to_kv_pool_allocator.size // self.page_size, books.dram.capacity,
                  books.nvme.capacity if books.nvme is not None else 0, 0)  # the store's size is not ours
-        return TierMetrics(labels, self.page_size, self.tiers.page_bytes, pages)
+        return TierMetrics(labels, self.page_size, self.tiers.page_bytes, pages, reserved_bytes=self.tiers.reserved_bytes)
 
     @property
     def last_view(self) -> Optional[QueueView]:

@@ -12,7 +12,7 @@ All servers of the module start at once and stay up for its tests (integrity che
 | hiradix-v2b | tiny-deepseek-v2 | same, its own NVMe, the same store               | turns moved from v2a hit the store |
 | stock-v3 / hiradix-v3 | tiny-deepseek-v3 | as stock-v2 / HBM 1,024, DRAM 0.001 GB, NVMe | churn               |
 | stock-k2 / hiradix-k2 | tiny-kimi-k2     | as stock-v2 / HBM 1,024, DRAM 0.001 GB, NVMe | churn               |
-| stock-v2tp2 / hiradix-v2tp2 | tiny-deepseek-v2, TP 2 | as stock-v2 / HBM 1,024, DRAM 0.001 GB, the store (no NVMe) | one store copy per page, every rank reads it |
+| stock-v2tp2 / hiradix-v2tp2 | tiny-deepseek-v2, TP 2 | as stock-v2 / HBM 1,024, DRAM 0.001 GB, NVMe 24 pages, the store | one host copy per node (DRAM, NVMe), one store copy per page |
 
 Working set: 12 sessions x 3 turns (~3.6k tokens) against ~2.6k tokens of HBM + DRAM, so
 histories fall to NVMe and come back from it.
@@ -40,6 +40,7 @@ PRESETS = ("tiny-deepseek-v2", "tiny-deepseek-v3", "tiny-kimi-k2")
 SESSIONS, TURNS, WORDS = 12, 3, 25
 ROUTED_SESSIONS = 4  # sessions 100.. moved between v2a and v2b every turn
 PAGE_TOKENS = 16
+TP2_NVME_GB = "0.0003"  # 24 slots of 12 KiB: the TP 2 server's histories overflow NVMe into the store
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 
 
@@ -80,13 +81,13 @@ def mla_servers(store, tmp_path_factory) -> dict[str, ServerProcess]:
         for end in ends:
             flags = hiradix_flags(root / f"nvme-{short}{end}", store if short == "v2" else None)
             servers[f"hiradix-{short}{end}"] = make_server(models[preset], root / f"hiradix-{short}{end}.log", flags, 1024)
-    # TP 2: stock TP 2 (the reference: TP changes the float sums), and hiradix with HBM, DRAM and the
-    # store only, so histories come back from the store, whose objects rank 0 alone wrote.
+    # TP 2: stock TP 2 (the reference: TP changes the float sums), and hiradix with HBM, DRAM, a
+    # 24-page NVMe tier and the store, so histories come back from all three, through the one
+    # host copy the two ranks share (rank 0 writes it, its objects and its NVMe slots).
     v2 = models[PRESETS[0]]
     servers["stock-v2tp2"] = make_server(v2, root / "stock-v2tp2.log", stock_flags, 32768, tp_size=2)
-    tp2_flags = hiradix_flags(root / "unused", store)
-    cut = tp2_flags.index("--hiradix-nvme-path")
-    del tp2_flags[cut : cut + 4]  # no NVMe tier
+    tp2_flags = hiradix_flags(root / "nvme-v2tp2", store)
+    tp2_flags[tp2_flags.index("--hiradix-nvme-gb") + 1] = TP2_NVME_GB
     servers["hiradix-v2tp2"] = make_server(v2, root / "hiradix-v2tp2.log", tp2_flags, 1024, tp_size=2)
     try:
         for server in servers.values():
@@ -176,10 +177,25 @@ def test_restart_re_indexes_the_nvme_tier_of_latent_pages(mla_servers, tmp_path)
     assert after["cached"] >= PAGE_TOKENS, after  # from the re-indexed NVMe pages (or the store)
 
 
-def test_tp2_ranks_share_one_store_copy_and_match_stock_tp2(mla_servers, store):
-    """MLA at TP 2: both ranks hold the same latent, so the store gets one object per page (rank 0
-    puts, its keys carry no rank) and both ranks read that object when a history returns."""
+def dram_pools_mapped(server: ServerProcess) -> set[str]:
+    """Inodes of the hiradix DRAM pools (memfd ``hiradix-dram``) mapped by the server's processes."""
+    inodes = set()
+    for proc in server.descendants():
+        try:
+            with open(f"/proc/{proc.pid}/maps") as maps:
+                inodes |= {line.split()[4] for line in maps if "memfd:hiradix-dram" in line}
+        except OSError:
+            continue  # a process that exited meanwhile
+    return inodes
+
+
+def test_tp2_ranks_share_one_host_copy_and_one_store_copy_and_match_stock_tp2(mla_servers, store):
+    """MLA at TP 2: both ranks hold the same latent, so the node keeps one host copy: one DRAM pool
+    that rank 0 writes and both ranks' schedulers map, one NVMe tier (rank 0's directory), and the
+    store gets one object per page (rank 0 puts, its keys carry no rank); histories come back into
+    both ranks' device pools from that one copy, with the outputs of stock TP 2."""
     stock, server = mla_servers["stock-v2tp2"], mla_servers["hiradix-v2tp2"]
+    assert len(dram_pools_mapped(server)) == 1  # per-rank copies would be two memory files
     keys_before = store.key_count()
     expected = run_sessions(stock.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS, first_session=200)
     got = run_sessions(server.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS, first_session=200)
@@ -193,5 +209,12 @@ def test_tp2_ranks_share_one_store_copy_and_match_stock_tp2(mla_servers, store):
     assert puts[0] > 0 and 0.9 * puts[0] <= new_keys <= puts[0], (puts, new_keys)
     gets = {rank: metric(server.base_url, "sglang:hiradix_store_pages_total", op="get", tp_rank=str(rank)) for rank in (0, 1)}
     assert gets[0] == gets[1] > 0, gets  # every rank read the pages rank 0 wrote
+    # the NVMe tier: rank 0's directory only, used by both ranks' books alike
+    command = server.command()
+    nvme_root = Path(command[command.index("--hiradix-nvme-path") + 1])
+    assert sorted(p.name for p in nvme_root.iterdir()) == ["hiradix-rank0"]
+    moved = {rank: [metric(server.base_url, "sglang:hiradix_moved_tokens_total", kind=k, tp_rank=str(rank))
+                    for k in ("DEMOTE", "PREFETCH", "PROMOTE")] for rank in (0, 1)}  # fmt: skip
+    assert moved[0] == moved[1] and min(moved[0]) > 0, moved
     log = assert_sane(server)
-    assert "TP ranks disagree" not in log
+    assert "TP ranks disagree" not in log and "mapped by this rank" in log
