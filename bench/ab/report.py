@@ -11,7 +11,9 @@ Every figure is over the requests of all repetitions; a request is keyed by
         interval excludes 1.0 is a "biased run": read the other ratios against it;
     prefill tokens computed: prompt - cached tokens, from the responses and from `/metrics`;
     uncached share: prefill tokens computed / prompt tokens, turns >= 2;
-    server-side TTFT: the median of SGLang's `sglang:time_to_first_token_seconds` histogram.
+    server-side TTFT: the median of SGLang's `sglang:time_to_first_token_seconds` histogram;
+    host bytes reserved by hiradix (hiradix systems only): DRAM and NVMe, summed over the server's
+        TP ranks (`sglang:hiradix_reserved_bytes`; an MLA model's shared host copy counts once).
 Targets (issue 13; printed, not asserted): A/A contains 1.0 with a half-width <= 10%; hiradix
 vs ideal <= 1.10x and vs stock <= 0.25x on turns >= 2; hiradix's prefill tokens within 5% of
 the ideal's.
@@ -37,6 +39,7 @@ TARGET_VS_IDEAL = 1.10
 TARGET_VS_STOCK = 0.25
 TARGET_VS_HICACHE = 1.0  # faster than stock SGLang HiCache
 TARGET_PREFILL_OF_IDEAL = 0.05
+HOST_TIERS = ("DRAM", "NVMe")  # tiers of `sglang:hiradix_reserved_bytes` the report shows
 BIASED = "BIASED RUN"
 NOISY = "NOISY RUN"
 
@@ -133,6 +136,23 @@ def prefill_tokens(records: Sequence[RequestRecord]) -> int:
     return sum((r.prompt_tokens or 0) - (r.cached_tokens or 0) for r in records if r.ok)
 
 
+def host_reserved_bytes(system: System, metrics: server_metrics.MetricsSnapshot) -> Optional[dict]:
+    """`{"DRAM": bytes, "NVMe": bytes}` hiradix reserves on the system's server, summed over its TP
+    ranks (None where `/metrics` lacked the gauge); None for a system without hiradix."""
+    if "--enable-hiradix" not in system.server_args:
+        return None
+    return {tier: metrics.reserved_bytes.get(tier) for tier in HOST_TIERS}
+
+
+def host_bytes_line(name: str, reserved: Optional[dict]) -> Optional[str]:
+    """`hiradix: host bytes reserved by hiradix: DRAM 37.7 MB, NVMe 0.0 MB (sum over TP ranks)`, or
+    None for a system without hiradix (`reserved` None)."""
+    if reserved is None:
+        return None
+    parts = ", ".join(f"{tier} {_fmt(reserved[tier], 1e-6, 0, 1)} MB" for tier in HOST_TIERS)
+    return f"{name}: host bytes reserved by hiradix: {parts} (sum over TP ranks)"
+
+
 def system_figures(run: SystemRun) -> dict:
     """Deterministic and server-side figures of one system (all requests, all repetitions)."""
     m = server_metrics.total(run.metrics)
@@ -144,6 +164,7 @@ def system_figures(run: SystemRun) -> dict:
         "server_ttft_median_s": server_metrics.histogram_quantile(m.ttft_buckets, 0.5),
         "ttft_buckets": {str(k): v for k, v in sorted(m.ttft_buckets.items())},
         "startup_s": run.startup_s, "workload_s": run.workload_s,
+        "host_reserved_bytes": host_reserved_bytes(run.system, m),
     }  # fmt: skip
 
 
@@ -216,6 +237,9 @@ def format_table(runs: Sequence[SystemRun]) -> str:
                      f"{_fmt(f['prefill_tokens_metrics'], 1, 0)} (/metrics), uncached share turns >= {LATER_TURN} "
                      f"{f['uncached_share_later']:.2f}, server-side median TTFT "
                      f"{_fmt(f['server_ttft_median_s'], 1e3, 0, 0)} ms")  # fmt: skip
+        host = host_bytes_line(run.system.name, f["host_reserved_bytes"])
+        if host is not None:
+            lines.append(host)
     for run in runs[1:]:
         same, compared = identical_fraction(runs[0].records, run.records)
         lines.append(f"token-identical outputs {run.system.name} vs {names[0]}: {same}/{compared}"

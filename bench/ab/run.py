@@ -21,6 +21,13 @@ differently when the requests of a batch arrive in another order: 9,893 vs 10,61
 tokens in one repetition). `stock2`, `lru`, `lookahead` and custom `--system NAME="FLAGS"`
 can be added. Unknown `--hiradix-*` options go to the hiradix systems; `--server-args` to all.
 
+Tensor parallelism: `--tp-size N` gives every system's server `--tp-size N` (and
+`hiradix.testing.cpu_env(tp_size=N)`: each rank bound to its own core). Sizes are per rank, as
+SGLang's and hiradix's flags are: `--max-total-tokens` (every rank's pool holds that many
+tokens), `--dram-ratio` (x one rank's device pool) and `--nvme-gb` (per rank; an MLA model's
+shared host copy, `--hiradix-mla-host-copy node`, is one per node of that size). The report's
+host bytes reserved by hiradix are summed over the ranks.
+
 Workload: ShareGPT sessions (`bench.common.conversations`), 6 turns by default; the history carries
 the model's own answers (`--history dataset`: the dataset's), answers of `--answer-tokens`
 tokens (EOS ignored); sessions arrive as a Poisson process (`--session-rate`) and think
@@ -124,18 +131,19 @@ def check_fits(sessions: Sequence[Session], answer_tokens: int, pool_tokens: int
 
 
 def start_servers(stack: contextlib.ExitStack, systems: Sequence[System], model_path: str, pool_tokens: int,
-                  run_dir: Path, startup_timeout_s: float) -> dict[str, ServerProcess]:
-    """Start every system's server at once and wait until all are healthy (stopped by `stack`).
+                  run_dir: Path, startup_timeout_s: float, tp_size: int = 1) -> dict[str, ServerProcess]:
+    """Start every system's server at once, each with `--tp-size tp_size`, and wait until all are
+    healthy (stopped by `stack`).
 
     Raises:
         hiradix.testing.ServerStartError: If one does not come up (message has its log).
     """
     servers = {}
     for system in systems:
-        extra = cpu_args(system.max_total_tokens or pool_tokens) + list(system.server_args)
+        extra = cpu_args(system.max_total_tokens or pool_tokens) + ["--tp-size", str(tp_size), *system.server_args]
         logger.info("[%s] starting server: %s", system.name, " ".join(extra))
-        server = ServerProcess(model_path, extra_args=extra, env=cpu_env(), startup_timeout_s=startup_timeout_s,
-                               log_path=run_dir / f"{system.name}.server.log")
+        server = ServerProcess(model_path, extra_args=extra, env=cpu_env(tp_size=tp_size),
+                               startup_timeout_s=startup_timeout_s, log_path=run_dir / f"{system.name}.server.log")
         stack.callback(server.stop)
         servers[system.name] = server.start(wait=False)
     for name, server in servers.items():
@@ -212,8 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--system", action="append", default=[], metavar='NAME="FLAGS"',
                         help="define a system (repeatable)")
     parser.add_argument("--server-args", default="", help="extra server flags for every system")
+    parser.add_argument("--tp-size", type=int, default=1,
+                        help="tensor-parallel ranks of every system's server (default 1); --max-total-tokens, "
+                             "--dram-ratio and --nvme-gb are per rank")
     parser.add_argument("--max-total-tokens", type=int, default=None,
-                        help=f"device KV pool in tokens (default {FULL_DEFAULTS['max_total_tokens']}; "
+                        help=f"device KV pool in tokens, per TP rank (default {FULL_DEFAULTS['max_total_tokens']}; "
                              "the ideal system's is sized to the working set)")
     parser.add_argument("--repeats", type=int, default=None, help="repetitions, each with sessions of its own on flushed caches (default 3; --quick 1)")
     parser.add_argument("--answer-tokens", dest="max_tokens", type=int, default=None,
@@ -222,12 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="answers in the history: the model's own (default) or the dataset's")
     parser.add_argument("--stop-at-eos", action="store_true", help="let answers end at EOS (default: ignored)")
     parser.add_argument("--dram-ratio", type=float, default=2.0,
-                        help="DRAM tier of HiCache and hiradix, as a multiple of the device KV pool (default 2)")
+                        help="DRAM tier of HiCache and hiradix, as a multiple of one TP rank's device KV pool "
+                             "(default 2; per rank, or per node for an MLA model's shared hiradix host copy)")
     parser.add_argument("--keep-tier-files", action="store_true",
                         help="keep the NVMe and HiCache files under the run directory (default: removed at the end)")
     parser.add_argument("--nvme-gb", type=float, default=None,
-                        help="hiradix NVMe tier in GB under the run directory (0: none; default: sized to the "
-                             "run's working set, none when it fits in DRAM)")
+                        help="hiradix NVMe tier in GB under the run directory, per TP rank (per node for an MLA "
+                             "model's shared host copy; 0: none; default: sized to the run's working set, none when "
+                             "it fits in DRAM)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny model, 3 sessions x 3 turns, 1 repeat, small pool (a smoke test)")
     parser.add_argument("--out-dir", default=None, help="default runs/<timestamp>")
@@ -262,6 +275,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
             setattr(args, name, value)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.tp_size < 1:
+        parser.error(f"--tp-size must be >= 1, got {args.tp_size}")
     return args, unknown
 
 
@@ -290,7 +305,7 @@ def prepare(args: argparse.Namespace, hiradix_args: Sequence[str], run_dir: Path
     own = args.history == "own"
     counter = token_counter(model_path)
     check_fits(every, args.max_tokens, args.max_total_tokens, counter, own)
-    per_token = kv_bytes_per_token(model_path)
+    per_token = kv_bytes_per_token(model_path, tp_size=args.tp_size)  # one rank's: tier sizes are per rank
     device_bytes = args.max_total_tokens * per_token
     biggest = max(by_repeat, key=lambda ss: working_set_tokens(ss, args.max_tokens, counter, own))
     nvme_gb, why = nvme_gb_for_run(args.nvme_gb, biggest, args.max_tokens, per_token,
@@ -325,7 +340,7 @@ def run_all(args: argparse.Namespace, model_path: Path, by_repeat: list, systems
     try:
         with contextlib.ExitStack() as stack:
             servers = start_servers(stack, systems, str(model_path), args.max_total_tokens, run_dir,
-                                    args.startup_timeout_s)
+                                    args.startup_timeout_s, args.tp_size)
             logger.info("all servers healthy after %.0f s", time.perf_counter() - t0)
             for repeat, sessions in enumerate(by_repeat):
                 if repeat:
@@ -345,7 +360,7 @@ def print_report(args: argparse.Namespace, runs: list[SystemRun], result: dict, 
     print(f"model {model_path.name}, {len(by_repeat[0])} sessions x {args.turns} turns per repeat "
           f"({by_repeat[0][0].source}), history: {args.history} answers of {args.max_tokens} tokens, "
           f"{args.repeats} repeat(s), max_total_tokens {args.max_total_tokens} (ideal {ideal_pool}), "
-          f"concurrency {args.concurrency}")
+          f"concurrency {args.concurrency}" + (f", --tp-size {args.tp_size}" if args.tp_size > 1 else ""))
     print(format_table(runs))
     if any("--enable-hiradix" in run.system.server_args for run in runs):
         print("note: " + PAGE_NOTE)

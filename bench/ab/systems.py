@@ -96,9 +96,10 @@ def resolve_systems(names: str, custom: Sequence[str], hiradix_args: Sequence[st
     return systems
 
 
-def kv_bytes_per_token(model_path: Path, dtype_bytes: int = 4) -> int:
-    """Device KV bytes per token of a model dir (all layers; float32 as `cpu_args`): K and V per
-    head, or MLA's one latent row (`hiradix.sglang_plugin.model_check.page_bytes_estimate`).
+def kv_bytes_per_token(model_path: Path, dtype_bytes: int = 4, tp_size: int = 1) -> int:
+    """Device KV bytes per token of one TP rank of a model dir (all layers; float32 as `cpu_args`):
+    K and V of the rank's heads (`kv_heads // tp_size`), or MLA's one latent row, whole on every rank
+    (`hiradix.sglang_plugin.model_check.page_bytes_estimate`).
 
     Raises:
         OSError, KeyError: `config.json` is missing or lacks the attention sizes.
@@ -106,7 +107,7 @@ def kv_bytes_per_token(model_path: Path, dtype_bytes: int = 4) -> int:
     from hiradix.sglang_plugin.model_check import page_bytes_estimate
 
     cfg = json.loads((Path(model_path) / "config.json").read_text())
-    per_token = page_bytes_estimate(cfg, 1, 1, {4: "float32", 2: "bfloat16"}[dtype_bytes])
+    per_token = page_bytes_estimate(cfg, 1, tp_size, {4: "float32", 2: "bfloat16"}[dtype_bytes])
     if per_token is None:
         raise KeyError(f"{model_path}/config.json lacks the attention sizes")
     return per_token

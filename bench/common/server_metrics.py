@@ -6,6 +6,11 @@ SGLang 0.5.23 (`sglang/srt/metrics/collector.py`) counts, per finished request:
 difference; and it keeps the server-side TTFT histogram `sglang:time_to_first_token_seconds`
 (buckets `le` in seconds). `snapshot` reads those; `delta` subtracts two snapshots (after the
 warm-up and after the workload) so only the measured requests count.
+
+hiradix adds the gauge `sglang:hiradix_reserved_bytes{tier, tp_rank}`: the host bytes each scheduler
+process reserves for its DRAM and NVMe tiers (0 on a TP rank that maps rank 0's copy of an MLA
+model), so their sum over ranks is the server's host bytes. A gauge is not subtracted: `delta`
+and `total` keep the latest value.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 TTFT_HISTOGRAM = "sglang:time_to_first_token_seconds"
 TIER_USED_TOKENS = "sglang:hiradix_tier_used_tokens"  # gauge per tier (hiradix/runtime/metrics.py)
+RESERVED_BYTES = "sglang:hiradix_reserved_bytes"  # gauge per tier and TP rank (hiradix/runtime/metrics.py)
 
 
 @dataclass
@@ -29,6 +35,7 @@ class MetricsSnapshot:
     cached_tokens: float = 0.0
     ttft_buckets: dict = field(default_factory=dict)  # le (s, inf for +Inf) -> cumulative count
     available: bool = False  # False: /metrics did not answer or lacked the counters
+    reserved_bytes: dict = field(default_factory=dict)  # tier -> hiradix's host bytes, sum over TP ranks ({}: none)
 
     @property
     def prefill_tokens(self) -> float:
@@ -60,6 +67,9 @@ def parse_snapshot(text: str) -> MetricsSnapshot:
             elif sample.name == TTFT_HISTOGRAM + "_bucket":
                 le = float(sample.labels["le"])
                 snap.ttft_buckets[le] = snap.ttft_buckets.get(le, 0.0) + sample.value
+            elif sample.name == RESERVED_BYTES:
+                tier = sample.labels.get("tier", "")
+                snap.reserved_bytes[tier] = snap.reserved_bytes.get(tier, 0.0) + sample.value
     return snap
 
 
@@ -73,18 +83,20 @@ def tier_used_tokens(text: str) -> float | None:
 
 
 def delta(after: MetricsSnapshot, before: MetricsSnapshot) -> MetricsSnapshot:
-    """`after - before`, counter by counter (available only if both are)."""
+    """`after - before`, counter by counter (available only if both are); gauges: `after`'s."""
     return MetricsSnapshot(
         after.prompt_tokens - before.prompt_tokens,
         after.cached_tokens - before.cached_tokens,
         {le: n - before.ttft_buckets.get(le, 0.0) for le, n in after.ttft_buckets.items()},
         after.available and before.available,
+        dict(after.reserved_bytes),
     )
 
 
 def total(snapshots: Sequence[MetricsSnapshot]) -> MetricsSnapshot:
-    """The sum of several deltas (e.g. one per repetition)."""
-    out = MetricsSnapshot(available=bool(snapshots) and all(s.available for s in snapshots))
+    """The sum of several deltas (e.g. one per repetition); gauges: the last snapshot's."""
+    out = MetricsSnapshot(available=bool(snapshots) and all(s.available for s in snapshots),
+                          reserved_bytes=dict(snapshots[-1].reserved_bytes) if snapshots else {})
     for s in snapshots:
         out.prompt_tokens += s.prompt_tokens
         out.cached_tokens += s.cached_tokens

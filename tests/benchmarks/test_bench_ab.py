@@ -231,6 +231,70 @@ def test_tier_used_tokens_sums_the_tiers_and_tells_no_answer_from_zero():
     assert server_metrics.tier_used_tokens("") is None  # /metrics did not answer: never "empty"
 
 
+RESERVED_TEXT = "\n".join([
+    "# TYPE sglang:hiradix_reserved_bytes gauge",
+    'sglang:hiradix_reserved_bytes{tier="DRAM",tp_rank="0"} 3.7748736e+07',
+    'sglang:hiradix_reserved_bytes{tier="DRAM",tp_rank="1"} 0.0',  # maps rank 0's copy (MLA under TP)
+    'sglang:hiradix_reserved_bytes{tier="NVMe",tp_rank="0"} 2.0e+07',
+    'sglang:hiradix_reserved_bytes{tier="NVMe",tp_rank="1"} 0.0', ""])
+
+
+def test_reserved_bytes_sum_the_ranks_and_keep_the_latest_value():
+    """A gauge: summed over TP ranks per tier; a delta or a total keeps the latest, never subtracts."""
+    snap = server_metrics.parse_snapshot(METRICS_TEXT + RESERVED_TEXT)
+    assert snap.reserved_bytes == {"DRAM": 37748736.0, "NVMe": 2e7}
+    per_rank = RESERVED_TEXT.replace('"1"} 0.0', '"1"} 1.0e+06')  # --hiradix-mla-host-copy rank
+    assert server_metrics.parse_snapshot(per_rank).reserved_bytes == {"DRAM": 38748736.0, "NVMe": 2.1e7}
+    assert server_metrics.parse_snapshot(METRICS_TEXT).reserved_bytes == {}  # a server without hiradix
+    d = server_metrics.delta(snap, snap)  # before == after: still the reserved bytes, not 0
+    assert d.reserved_bytes == {"DRAM": 37748736.0, "NVMe": 2e7} and d.prefill_tokens == 0.0
+    later = server_metrics.parse_snapshot(per_rank)
+    assert server_metrics.total([d, later]).reserved_bytes == later.reserved_bytes  # the last repetition's
+    assert server_metrics.total([]).reserved_bytes == {}
+
+
+def test_host_bytes_are_reported_for_hiradix_systems_only():
+    runs = _runs(factor_aa=1.0, jitter=False)
+    for run in runs:  # every server exports the same text; only hiradix's system reports it
+        run.metrics = [server_metrics.parse_snapshot(METRICS_TEXT + RESERVED_TEXT)]
+    table = ab_report.format_table(runs)
+    host_lines = [line for line in table.splitlines() if "host bytes reserved" in line]
+    assert host_lines == ["hiradix: host bytes reserved by hiradix: DRAM 37.7 MB, NVMe 20.0 MB (sum over TP ranks)"]
+    figures = ab_report.summary(runs)["systems"]
+    assert figures["hiradix"]["host_reserved_bytes"] == {"DRAM": 37748736.0, "NVMe": 2e7}
+    assert figures["stock"]["host_reserved_bytes"] is None and figures["ideal"]["host_reserved_bytes"] is None
+    hiradix = next(run for run in runs if run.system.name == "hiradix")
+    lacking = ab_report.host_reserved_bytes(hiradix.system, server_metrics.MetricsSnapshot())  # no gauge in /metrics
+    assert ab_report.host_bytes_line("x", lacking) == "x: host bytes reserved by hiradix: DRAM - MB, NVMe - MB (sum over TP ranks)"
+
+
+def test_start_servers_gives_every_server_the_tp_size(monkeypatch, tmp_path):
+    started = []
+
+    class FakeServer:
+        base_url, startup_s = "http://fake", 1.0
+
+        def __init__(self, model_path, extra_args, env, startup_timeout_s, log_path):
+            started.append((list(extra_args), env))
+
+        def start(self, wait):
+            return self
+
+        def wait_healthy(self):
+            pass
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(ab, "ServerProcess", FakeServer)
+    systems = ab.resolve_systems("stock,hiradix", [], [], [])
+    with ab.contextlib.ExitStack() as stack:
+        ab.start_servers(stack, systems, "m", 2048, tmp_path, 60.0, tp_size=2)
+    assert len(started) == 2
+    for args, env in started:
+        assert args[args.index("--tp-size") + 1] == "2" and env["SGLANG_CPU_OMP_THREADS_BIND"]
+
+
 def test_ideal_pool_holds_the_working_set():
     sessions = synthetic_sessions(2, 3, seed=0, max_message_chars=100)
     own = ab.working_set_tokens(sessions, 32, lambda text: 10, own_answers=True)

@@ -230,6 +230,9 @@ def test_tier_sizes_are_equal_for_hicache_and_hiradix(tmp_path):
     (mla / "config.json").write_text(json.dumps({"hidden_size": 1024, "num_attention_heads": 16, "num_hidden_layers": 8,
                                                  "kv_lora_rank": 256, "qk_rope_head_dim": 32}))
     assert ab.kv_bytes_per_token(mla) == 8 * (256 + 32) * 4  # one latent row per layer, no K/V pair
+    # per TP rank (tier sizes are per rank): a rank holds its share of the K/V heads, the whole latent
+    assert ab.kv_bytes_per_token(model, tp_size=2) == per_token // 2
+    assert ab.kv_bytes_per_token(mla, tp_size=2) == ab.kv_bytes_per_token(mla)
     systems = ab.resolve_systems("stock,hicache,lru,lookahead", [], [], [])
     sized = ab.with_tier_sizes(systems, 2.0, 1.5, 2048 * per_token, tmp_path)
     args = {s.name: list(s.server_args) for s in sized}
@@ -293,6 +296,9 @@ def test_parse_args_quick_defaults_and_rejects_stray_options():
         ab.parse_args(["--bogus"])
     with pytest.raises(SystemExit):
         ab.parse_args(["--repeats", "0"])
+    assert ab.parse_args([])[0].tp_size == 1 and ab.parse_args(["--tp-size", "2"])[0].tp_size == 2
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--tp-size", "0"])
 
 
 def _record(session, turn, ids, ttft_s, cached, text="x"):
