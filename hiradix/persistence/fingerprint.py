@@ -64,7 +64,8 @@ def model_identity(model_path: str, revision: Optional[str] = None) -> str:
 
 
 def kv_fingerprint(
-    model_id: str, model_dtype: str, layout: KVLayout, tp_rank: int, tp_size: int, slot_bytes: int
+    model_id: str, model_dtype: str, layout: KVLayout, tp_rank: int, tp_size: int, slot_bytes: int,
+    attn_dp_size: int = 1,
 ) -> dict[str, str]:
     """Everything persisted KV depends on, as strings.
 
@@ -74,6 +75,8 @@ def kv_fingerprint(
         layout: the KV layout of this rank's pages (layers, page size, KV heads, head dim, dtype).
         tp_rank, tp_size: this rank's tensor-parallel shard.
         slot_bytes: bytes per NVMe slot (payload + trailer + padding).
+        attn_dp_size: DP attention ranks (``--attn-dp-size``; each computes its own batches'
+            KV, with other collectives than plain TP); recorded only when > 1.
     """
     return {
         "model": model_id,
@@ -87,6 +90,7 @@ def kv_fingerprint(
         **({"mla_rope_dim": str(layout.rope_dim)} if layout.is_mla else {}),
         "tp_rank": str(tp_rank),
         "tp_size": str(tp_size),
+        **({"attn_dp_size": str(attn_dp_size)} if attn_dp_size > 1 else {}),
         "slot_bytes": str(slot_bytes),
         "hiradix_version": hiradix.__version__,
         "page_hash": HASH_NAME,
@@ -103,7 +107,8 @@ def is_store_writer(layout: KVLayout, tp_rank: int) -> bool:
     return not layout.is_mla or tp_rank == 0
 
 
-def store_key_prefix(model_id: str, model_dtype: str, layout: KVLayout, tp_rank: int, tp_size: int) -> str:
+def store_key_prefix(model_id: str, model_dtype: str, layout: KVLayout, tp_rank: int, tp_size: int,
+                     attn_dp_size: int = 1) -> str:
     """The cluster store's key prefix for this rank's KV: ``hiradix/<digest>/``.
 
     The digest (16 hex digits of SHA-256) covers what :func:`kv_fingerprint` covers except the
@@ -112,8 +117,11 @@ def store_key_prefix(model_id: str, model_dtype: str, layout: KVLayout, tp_rank:
     shard never reads another's objects. MLA (``layout.is_mla``): every TP rank holds the same
     latent, so the key has no TP rank (one object per page, written by one rank, read by all;
     HiCache's MLA keys do the same, ``mem_cache/hicache_storage.py``); the TP size stays in it.
+    With DP attention (``attn_dp_size`` > 1) ``tp_rank`` is the rank in the attention-TP group,
+    so the DP ranks of a server (and of other servers of the same shape) share their objects.
     """
-    fp = kv_fingerprint(model_id, model_dtype, layout, 0 if layout.is_mla else tp_rank, tp_size, slot_bytes=0)
+    fp = kv_fingerprint(model_id, model_dtype, layout, 0 if layout.is_mla else tp_rank, tp_size, slot_bytes=0,
+                        attn_dp_size=attn_dp_size)
     del fp["slot_bytes"], fp["hiradix_version"]
     if layout.is_mla:
         fp["tp_rank"] = "replicated"

@@ -83,7 +83,8 @@ def _open_index(nvme_dir: Path, identity: dict, layout: KVLayout, tp_rank: int, 
                 page_size: int) -> tuple[NvmeIndex, list]:
     """The durable index of this rank's NVMe directory and its persisted pages."""
     fingerprint = kv_fingerprint(identity["model_id"], identity["model_dtype"], layout, tp_rank,
-                                 identity["tp_size"], slot_bytes_for(layout.page_bytes))
+                                 identity["tp_size"], slot_bytes_for(layout.page_bytes),
+                                 attn_dp_size=identity.get("attn_dp_size", 1))
     if not (nvme_dir / NVME_FILE_NAME).exists() and (nvme_dir / INDEX_FILE_NAME).exists():
         logger.warning("hiradix: %s has an NVMe index but no slot file; starting empty", nvme_dir)
         (nvme_dir / INDEX_FILE_NAME).unlink()
@@ -209,12 +210,16 @@ def build_tiers(
     remove_stale_dirs(shm_dir)
     ensure_private_dir(shm_dir)  # 0700: it holds the worker's socket directory
     remove_on_exit(shm_dir)
+    multi_rank = tp_group is not None and torch.distributed.get_world_size(tp_group) > 1
+    # This rank in the group that shares a batch (the attention-TP group under DP attention): it
+    # picks the KV shard of the store keys, the store writer and the owner of a shared host copy.
+    group_rank = torch.distributed.get_rank(group=tp_group) if multi_rank else 0
     shared = wants_shared_copy(layout, tp_group, config.mla_host_copy)  # MLA under TP: one host copy per node
     if shared:
-        dram, shared = shared_dram_pool(layout, dram_pages, tp_rank, tp_group)
+        dram, shared = shared_dram_pool(layout, dram_pages, group_rank, tp_group)
     else:
         dram = DramPool.create_anonymous(layout, dram_pages)
-    owner = not shared or tp_rank == OWNER_RANK  # moves the pages below HBM (all of them, when shared)
+    owner = not shared or group_rank == OWNER_RANK  # moves the pages below HBM (all of them, when shared)
     device = device_buffers(kv_pool, layout)[0][0].device
     if device.type == "cuda":
         dram.pin_for_cuda()  # False (one warning): the pool stays pageable and copies stay correct
@@ -223,24 +228,24 @@ def build_tiers(
     else:  # the owner's NVMe tier: same slots in the books, no directory here
         nvme_dir, nvme_slots, lock_fd, index, pages = None, _nvme_slots(config, layout), -1, None, []
     if shared:
-        pages = share_persisted_pages(pages, tp_rank, tp_group)
+        pages = share_persisted_pages(pages, group_rank, tp_group)
     key_prefix = None
     if config.has_store_tier:
         if identity is None:
             raise ValueError("the cluster store needs the model identity for its keys")
-        key_prefix = store_key_prefix(identity["model_id"], identity["model_dtype"], layout, tp_rank, identity["tp_size"])
+        key_prefix = store_key_prefix(identity["model_id"], identity["model_dtype"], layout, group_rank,
+                                      identity["tp_size"], attn_dp_size=identity.get("attn_dp_size", 1))
     client = None
     if (nvme_slots > 0 or key_prefix is not None) and not owner:
         client = ReplicaIOClient()
     elif nvme_slots > 0 or key_prefix is not None:
         client = start_worker(dram, nvme_dir, nvme_slots, shm_dir, io_backend, keep=index is not None and index.reused,
                               store_backend=config.store_backend or "", store_config=config.store_config,
-                              tp_rank=tp_rank, store_writer=is_store_writer(layout, tp_rank))
+                              tp_rank=tp_rank, store_writer=is_store_writer(layout, group_rank))
     books = TierBooks(tree, dram_pages, nvme_slots)
     loader = LayerwiseLoader(layout.num_layers, device, counter_factory)
     barrier = (lambda: torch.distributed.barrier(group=tp_group)) if shared else None
     mover = HostMover(kv_pool, dram, loader, writes_dram=owner, flush_barrier=barrier)
-    multi_rank = tp_group is not None and torch.distributed.get_world_size(tp_group) > 1
     journal = IndexJournal(index, tree) if index is not None else None
     if not owner and nvme_slots > 0 and identity is not None:
         journal = ReplicaJournal()  # the owner persists; this rank keeps the same books

@@ -355,7 +355,8 @@ def create_hiradix_cache(ctx: TreeCacheBuildContext) -> TieredRadixCache:
 
         args = ctx.server_args
         identity = {"model_id": model_identity(args.model_path, getattr(args, "revision", None)),
-                    "model_dtype": str(ctx.model_config.dtype), "tp_size": ctx.tp_size}
+                    "model_dtype": str(ctx.model_config.dtype), "tp_size": ctx.tp_size,
+                    "attn_dp_size": int(getattr(args, "attn_dp_size", 1) or 1)}
     cache = TieredRadixCache(ctx.params, config, kv_pool=kv_pool, tp_rank=ctx.tp_rank, identity=identity,
                          counter_factory=LayerDoneCounter)
     if cache.loader is not None:

@@ -26,6 +26,8 @@ from hiradix.core.policy import make_policy
 from hiradix.sglang_plugin import hooks
 from hiradix.sglang_plugin.model_check import (
     SERVED_MODELS,
+    is_mla_config,
+    model_config_is_mla,
     read_hf_config,
     unsupported_model_config_reason,
     unsupported_model_reason,
@@ -37,6 +39,7 @@ from hiradix.sglang_plugin.refusals import (
     is_decode_side,
     refuse,
     refuse_decode_side_without_store,
+    refuse_dp_attention_unless_mla,
     refuse_tiers_below_one_page,
     refuse_unreachable_store,
 )
@@ -165,6 +168,7 @@ def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -
                 f"--model-path {result.model_path} is {reason} (from {where}); {SERVED_MODELS}"
             )
         refuse_tiers_below_one_page(config, hf_config, result, result.page_size or DEFAULT_PAGE_SIZE_TOKENS)
+        refuse_dp_attention_unless_mla(result, is_mla_config(hf_config))
     try:
         check_machine(config, ranks_on_this_node=_ranks_on_this_node(result))
     except HiRadixConfigError as e:
@@ -224,6 +228,7 @@ def after_resolve_once(result: None, server_args: Any) -> None:
             refuse(
                 f"--model-path {view.model_path} is {reason}; {SERVED_MODELS}"
             )
+        refuse_dp_attention_unless_mla(view, model_config_is_mla(model_config))
     setattr(server_args, _CHECKED_ATTR, True)
     turned_on = getattr(server_args, _TURNED_ON_ATTR, ())
     logger.info("hiradix: enabled (%s, page_size=%s)%s", config.summary(), view.page_size,

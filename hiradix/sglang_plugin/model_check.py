@@ -168,6 +168,13 @@ def read_hf_config(model_path: str, revision: str | None) -> tuple[dict, str] | 
     return (data, candidate) if isinstance(data, dict) else None
 
 
+def model_config_is_mla(model_config: Any) -> bool:
+    """Whether SGLang's `ModelConfig` says multi-head latent attention (`AttentionArch.MLA`)."""
+    from sglang.srt.configs.model_config import AttentionArch
+
+    return model_config.attention_arch == AttentionArch.MLA
+
+
 def unsupported_model_config_reason(model_config: Any) -> str | None:
     """Why hiradix cannot serve a model, from SGLang's own `ModelConfig`, or None.
 

@@ -50,9 +50,10 @@ class _Conflict:
     why: str
 
 
-_DP_WHY = ("DP attention is not supported yet: one tree per DP rank is not built, and stock SGLang 0.5.23's "
-           "DP attention does not run on the CPU path hiradix is tested on (README, 'What hiradix serves'); "
-           "use --tp-size without --attn-dp-size, or SGLang's HiCache")
+_DP_DENSE_WHY = ("hiradix serves DP attention with MLA models (DeepSeek V2/V3, Kimi K2): one tree and tier set per DP "
+                 "rank, histories shared between DP ranks through --hiradix-store; stock SGLang 0.5.23's dense Llama "
+                 "models are not DP-attention aware (their embedding and heads split over the whole TP group: README, "
+                 "'What hiradix serves', footnote 1); use --tp-size without --attn-dp-size, or SGLang's HiCache")
 
 
 def _gt1(v: Any) -> bool:
@@ -76,9 +77,6 @@ CONFLICTS: tuple[_Conflict, ...] = (
               "speculative decoding is not supported: the draft model's KV (EAGLE/MTP layers) has no tier "
               "in hiradix and its verify steps change the tree outside the hooks; serve without it, or use "
               "SGLang's HiCache (--enable-hierarchical-cache), which appends the draft layers to its host pool"),
-    _Conflict("attn_dp_size", _gt1, lambda v: f"--attn-dp-size {v}", _DP_WHY),
-    _Conflict("enable_dp_attention", bool,
-              lambda v: "--enable-dp-attention (SGLang 0.5.23 rewrites it to --attn-dp-size N)", _DP_WHY),
     _Conflict("disaggregation_mode", lambda v: v not in (None, "null", "prefill", "decode"),
               lambda v: f"--disaggregation-mode {v}",
               "hiradix serves PD disaggregation's prefill and decode sides only"),
@@ -87,6 +85,28 @@ CONFLICTS: tuple[_Conflict, ...] = (
               "the non-PP scheduler loop (a PP stage holds only its layers' KV); use --tp-size, or "
               "SGLang's HiCache (--enable-hierarchical-cache)"),
 )  # fmt: skip
+
+
+def dp_attention_flag(config_view: Any) -> str | None:
+    """The DP-attention flag as the user gave it (``--attn-dp-size N``, or ``--enable-dp-attention``,
+    which SGLang 0.5.23 rewrites to ``--attn-dp-size N``), or None without DP attention."""
+    size = getattr(config_view, "attn_dp_size", None)
+    if _gt1(size):
+        return f"--attn-dp-size {size}"
+    if getattr(config_view, "enable_dp_attention", False):
+        return "--enable-dp-attention (SGLang 0.5.23 rewrites it to --attn-dp-size N)"
+    return None
+
+
+def refuse_dp_attention_unless_mla(config_view: Any, is_mla: bool) -> None:
+    """DP attention is served for MLA models only (each DP rank its own tree and tiers).
+
+    Raises:
+        HiRadixRefusal: DP attention with a model that is not MLA (message names the flag).
+    """
+    flag = dp_attention_flag(config_view)
+    if flag is not None and not is_mla:
+        refuse(f"--enable-hiradix cannot be combined with {flag} for a model without MLA ({_DP_DENSE_WHY})")
 
 
 # On a decode server SGLang itself disables the radix cache (its resolution, for every decode

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,7 +29,8 @@ import pytest
 from hiradix.sglang_plugin.model_check import page_bytes_estimate
 from hiradix.testing.mooncake import MooncakeCluster
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
-from tests.helpers.e2e import assert_same_outputs, chat, metric, run_sessions, tier_hits, user_turn
+from tests.helpers.e2e import (assert_same_outputs, chat, dram_pools_mapped, metric, mla_model, run_sessions, tier_hits,
+                                user_turn)
 
 pytestmark = pytest.mark.e2e
 
@@ -42,14 +41,6 @@ ROUTED_SESSIONS = 4  # sessions 100.. moved between v2a and v2b every turn
 PAGE_TOKENS = 16
 TP2_NVME_GB = "0.0003"  # 24 slots of 12 KiB: the TP 2 server's histories overflow NVMe into the store
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}
-
-
-def mla_model(preset: str, root: Path) -> Path:
-    """models/<preset>, built by scripts/make_model.py if missing (idempotent, ~6 s)."""
-    out = root / preset
-    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "make_model.py"), "--preset", preset, "--out", str(out)],
-                   check=True, capture_output=True, timeout=600)  # fmt: skip
-    return out
 
 
 def hiradix_flags(nvme: Path, store: MooncakeCluster | None) -> list[str]:
@@ -177,18 +168,6 @@ def test_restart_re_indexes_the_nvme_tier_of_latent_pages(mla_servers, tmp_path)
     assert after["cached"] >= PAGE_TOKENS, after  # from the re-indexed NVMe pages (or the store)
 
 
-def dram_pools_mapped(server: ServerProcess) -> set[str]:
-    """Inodes of the hiradix DRAM pools (memfd ``hiradix-dram``) mapped by the server's processes."""
-    inodes = set()
-    for proc in server.descendants():
-        try:
-            with open(f"/proc/{proc.pid}/maps") as maps:
-                inodes |= {line.split()[4] for line in maps if "memfd:hiradix-dram" in line}
-        except OSError:
-            continue  # a process that exited meanwhile
-    return inodes
-
-
 def test_tp2_ranks_share_one_host_copy_and_one_store_copy_and_match_stock_tp2(mla_servers, store):
     """MLA at TP 2: both ranks hold the same latent, so the node keeps one host copy: one DRAM pool
     that rank 0 writes and both ranks' schedulers map, one NVMe tier (rank 0's directory), and the
@@ -218,3 +197,4 @@ def test_tp2_ranks_share_one_host_copy_and_one_store_copy_and_match_stock_tp2(ml
     assert moved[0] == moved[1] and min(moved[0]) > 0, moved
     log = assert_sane(server)
     assert "TP ranks disagree" not in log and "mapped by this rank" in log
+

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -60,19 +62,21 @@ def user_turn(session: int, turn: int, words: int) -> str:
 def run_sessions(
     base_url: str, sessions: int, turns: int, words: int, parallel: int = 1,
     before_turn: Optional[Callable[[int], None]] = None, first_session: int = 0,
+    extra_of: Optional[Callable[[int, int], dict]] = None,
 ) -> list[list[dict]]:
     """Turn t of every session, then turn t+1 (interleaved); history keeps the model's answers.
 
     Sessions ``first_session .. first_session + sessions - 1`` (the session number picks the
     user turns' words; result i is session ``first_session + i``). ``before_turn(t)``
-    (0-based) runs before the requests of turn t are sent.
+    (0-based) runs before the requests of turn t are sent; ``extra_of(i, t)`` gives more body
+    fields for result i's turn t (e.g. ``routed_dp_rank``).
     """
     histories = [[{"role": "system", "content": "You are a terse assistant."}] for _ in range(sessions)]
     results: list[list[dict]] = [[] for _ in range(sessions)]
 
     def one(s: int, t: int) -> None:
         histories[s].append({"role": "user", "content": user_turn(first_session + s, t, words)})
-        r = chat(base_url, histories[s])
+        r = chat(base_url, histories[s], **(extra_of(s, t) if extra_of is not None else {}))
         histories[s].append({"role": "assistant", "content": r["text"]})
         results[s].append(r)
 
@@ -140,3 +144,23 @@ def tiered_flags(nvme_dir: Path, policy: str, timeout_s: float = 2.0) -> list[st
         "--hiradix-policy", policy,
         "--hiradix-load-timeout-s", str(timeout_s),
     ]  # fmt: skip
+
+
+def mla_model(preset: str, root: Path) -> Path:
+    """models/<preset>, built by scripts/make_model.py if missing (idempotent, ~6 s)."""
+    out = root / preset
+    subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "scripts" / "make_model.py"), "--preset", preset, "--out", str(out)],
+                   check=True, capture_output=True, timeout=600)  # fmt: skip
+    return out
+
+
+def dram_pools_mapped(server: ServerProcess) -> set[str]:
+    """Inodes of the hiradix DRAM pools (memfd ``hiradix-dram``) mapped by the server's processes."""
+    inodes = set()
+    for proc in server.descendants():
+        try:
+            with open(f"/proc/{proc.pid}/maps") as maps:
+                inodes |= {line.split()[4] for line in maps if "memfd:hiradix-dram" in line}
+        except OSError:
+            continue  # a process that exited meanwhile
+    return inodes

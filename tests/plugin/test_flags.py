@@ -494,6 +494,19 @@ def parse_in_process(argv: list[str], monkeypatch) -> object:
     return result
 
 
+@pytest.mark.parametrize("dp_flags", [["--attn-dp-size", "2"], ["--dp-size", "2", "--enable-dp-attention"]],
+                         ids=["attn-dp-size", "enable-dp-attention"])
+def test_dp_attention_is_served_for_mla_models(monkeypatch, tmp_path, cpu_flags, dp_flags):
+    """Issue 18: DP attention with an MLA model is accepted (one tree and tier set per DP rank);
+    the same flags with a dense model are refused (test_refusals_name_the_flag[attn-dp])."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    mla_dir = write_model_dir(tmp_path, "mla", MLA_CONFIG)
+    args = parse_in_process(["--model-path", str(mla_dir), *cpu_flags, "--tp-size", "2", *dp_flags,
+                             "--enable-hiradix", "--hiradix-dram-gb", "0.01"], monkeypatch)
+    assert args.radix_cache_backend == "hiradix"
+    assert refusals.dp_attention_flag(args) is not None
+
+
 def test_valid_flags_become_config_backend_and_page_size(monkeypatch, llama_dir, tmp_path):
     monkeypatch.delenv(ENV_VAR, raising=False)
     monkeypatch.chdir(tmp_path)

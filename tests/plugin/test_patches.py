@@ -301,6 +301,7 @@ def test_apply_is_idempotent():
     import p05_hicache_page_first_direct_cpu as p05
     import p06_torch_native_mla_dispatch as p06
     import p07_pd_prefill_host_indices_cpu as p07
+    import p08_dp_attention_cpu as p08
 
     first = subprocess.run([PYTHON, str(PATCHES / "apply.py")], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
@@ -309,14 +310,14 @@ def test_apply_is_idempotent():
     files = [sp / "sglang/srt/mem_cache/pool_host/common.py", sp / "sglang/srt/mem_cache/pool_host/mha.py",
              sp / "torchvision/extension.py", sp / "sglang/srt/layers/attention/torch_native_backend.py",
              sp / "sglang/srt/models/deepseek_common/attention_backend_handler.py",
-             sp / "sglang/srt/disaggregation/prefill.py", *sorted((sp / "sgl_kernel").glob("*.py"))]
+             sp / "sglang/srt/disaggregation/prefill.py", sp / "sglang/srt/layers/rotary_embedding/base.py", *sorted((sp / "sgl_kernel").glob("*.py"))]
     files = [f for f in files if f.exists()]
     before = {f: _sha(f) for f in files}
     second = subprocess.run([PYTHON, str(PATCHES / "apply.py")], capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     lines = second.stdout.strip().splitlines()
-    assert len(lines) == 7, second.stdout
-    for module, line in zip((p01, p02, p03, p04, p05, p06, p07), lines):
+    assert len(lines) == 8, second.stdout
+    for module, line in zip((p01, p02, p03, p04, p05, p06, p07, p08), lines):
         assert line.startswith(f"[patches] {module.NAME}: "), line
         assert ": already applied (" in line or ": skipped (" in line, line
     assert {f: _sha(f) for f in files} == before
@@ -679,3 +680,27 @@ def test_torch_native_mla_dispatch_takes_the_absorbed_path():
                          env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-2:] == ["handle_attention_torch_native", "True"], out.stdout
+
+
+DP_ATTENTION_PROBE = """
+import torch
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
+rope = RotaryEmbedding(64, 64, 128, 10000, True, torch.float32)
+q, k = torch.empty(0, 4 * 64), torch.empty(0, 64)
+q2, k2 = rope.forward_native(torch.empty(0, dtype=torch.long), q, k)
+x = torch.randn(3, 64)
+q3, k3 = rope.forward_native(torch.tensor([0, 1, 2]), x.clone(), x.clone())
+print(TorchNativeAttnBackend.get_cpu_graph_seq_len_fill_value(None), tuple(q2.shape), tuple(k2.shape),
+      torch.equal(q3[0], x[0]), not torch.equal(q3[1], x[1]))
+"""
+
+
+def test_dp_attention_cpu_fill_value_and_idle_rank_rotary():
+    """p08: the torch-native backend answers DP attention's padding fill value (1, as Intel AMX's),
+    and the rotary embedding passes an idle DP rank's empty batch through (position 0 is the
+    identity rotation, later positions still rotate)."""
+    out = subprocess.run([PYTHON, "-c", DP_ATTENTION_PROBE], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "1 (0, 256) (0, 64) True True", out.stdout

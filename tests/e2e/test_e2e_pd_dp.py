@@ -1,0 +1,155 @@
+"""DeepSeek-class deployments (issue 18, items 3-4): PD disaggregation with hiradix on both sides
+behind SGLang's router, and DP attention with one tree and tier set per DP rank; all servers of the
+module start together, on the module's store.
+
+| process   | what                                                                                          |
+|-----------|-----------------------------------------------------------------------------------------------|
+| store     | the module's loopback Mooncake Store (tests/e2e/conftest.py)                                  |
+| prefill   | SGLang + hiradix, `--disaggregation-mode prefill`, `mooncake_tcp`, HBM 1,024 tokens, DRAM 0.002 GB, NVMe, the store, integrity checked every step |
+| decode    | SGLang + hiradix, `--disaggregation-mode decode`, `mooncake_tcp`, the prefill server's page size (16), the store: the decode-side offload (`hiradix.sglang_plugin.decode_side`) |
+| router    | `smg launch --pd-disaggregation --prefill URL BOOTSTRAP --decode URL` (PyPI smg 1.13.0)        |
+| stock-dp  | stock SGLang, tiny-deepseek-v2, `--tp-size 2 --attn-dp-size 2` (`patches/p08_dp_attention_cpu.py`) |
+| hiradix-dp | the same + hiradix: per DP rank HBM 1,024 tokens, DRAM 0.001 GB, NVMe, the store              |
+
+PD: on this CPU path both servers need `--disable-overlap-schedule` and stock SGLang needs
+`patches/p07_pd_prefill_host_indices_cpu.py` (its prefill side otherwise dies at the first KV
+send, `pin_memory=True`). Multi-turn chats through the router give the greedy outputs of a
+single stock server (the session's `stock_outputs`); the prefill server's histories come back
+from its DRAM and NVMe tiers; the decode server puts each finished answer's pages into the
+store, so a later turn's prefill hits its whole history, not only the previous prompt's pages.
+DP: chats whose every turn goes to the other DP rank give stock DP attention's outputs and find
+their history through the store. (The MLA servers of tests/e2e/test_e2e_mla.py run in another
+module: all of them at once would take ~20 GB of this 24 GB machine.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hiradix.testing.router import RouterProcess
+from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, pick_free_port
+from tests.helpers.e2e import WORDS, assert_same_outputs, dram_pools_mapped, metric, mla_model, run_sessions, tier_hits
+from tests.helpers.store import requires_mooncake
+
+pytestmark = [pytest.mark.e2e, requires_mooncake]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DP_SESSIONS, DP_FLAGS = 8, ["--tp-size", "2", "--attn-dp-size", "2", "--max-running-requests", "2", "--page-size", "16"]
+
+SESSIONS, TURNS = 8, 3
+PAGE = 16
+# `--served-model-name default`: the router picks PD workers by model id, and the chats name "default".
+PD_FLAGS = ["--page-size", "16", "--disaggregation-transfer-backend", "mooncake_tcp", "--disable-overlap-schedule",
+            "--max-running-requests", "2", "--served-model-name", "default"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def deployments(tiny_model: Path, store, tmp_path_factory) -> dict:
+    """Prefill and decode (both hiradix) with the router, and the DP attention pair, all on the
+    module's store, started together; stopped by PID."""
+    tmp = tmp_path_factory.mktemp("pd")
+    for tier in ("nvme", "nvme-dp"):
+        (tmp / tier).mkdir()
+    bootstrap = pick_free_port()
+    env = {**cpu_env(), "NO_PROXY": "127.0.0.1,localhost", "HIRADIX_CHECK_INTEGRITY": "1"}
+    shared = ["--enable-hiradix", "--hiradix-store", "mooncake", "--hiradix-store-config", store.config_json()]
+    servers = {
+        "prefill": ServerProcess(tiny_model, extra_args=cpu_args(1024) + PD_FLAGS + shared + [
+            "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap),
+            "--hiradix-dram-gb", "0.002", "--hiradix-nvme-path", str(tmp / "nvme"), "--hiradix-nvme-gb", "0.1",
+            "--hiradix-load-timeout-s", "5"], env=env, log_path=tmp / "prefill.log"),
+        "decode": ServerProcess(tiny_model, extra_args=cpu_args(32768) + PD_FLAGS + shared + [
+            "--disaggregation-mode", "decode", "--hiradix-dram-gb", "0.01"], env=env, log_path=tmp / "decode.log"),
+    }  # fmt: skip
+    v2 = mla_model("tiny-deepseek-v2", REPO_ROOT / "models")
+    dp_env = {**cpu_env(tp_size=2), "HIRADIX_CHECK_INTEGRITY": "1"}
+    servers["stock-dp"] = ServerProcess(v2, extra_args=cpu_args(32768) + DP_FLAGS, env=dp_env,
+                                        log_path=tmp / "stock-dp.log", startup_timeout_s=600)
+    servers["hiradix-dp"] = ServerProcess(v2, extra_args=cpu_args(1024) + DP_FLAGS + shared + [
+        "--hiradix-dram-gb", "0.001", "--hiradix-nvme-path", str(tmp / "nvme-dp"), "--hiradix-nvme-gb", "0.1",
+        "--hiradix-load-timeout-s", "5"], env=dp_env, log_path=tmp / "hiradix-dp.log", startup_timeout_s=600)  # fmt: skip
+    router = RouterProcess(tmp / "router.log", prefill=[(servers["prefill"].base_url, bootstrap)],
+                           decode=[servers["decode"].base_url])
+    try:
+        for server in servers.values():
+            server.start(wait=False)
+        for server in servers.values():
+            server.wait_healthy()
+        router.start()
+        yield {**servers, "router": router}
+    finally:
+        router.stop()
+        for server in servers.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def pd(deployments):
+    return deployments["prefill"], deployments["decode"], deployments["router"]
+
+
+def pages(tokens: int) -> int:
+    """``tokens`` rounded down to whole pages, in tokens."""
+    return max(tokens, 0) // PAGE * PAGE
+
+
+def test_chats_through_the_pd_router_match_one_stock_server_and_hit_whole_histories(pd, stock_outputs):
+    prefill, decode, router = pd
+    got = run_sessions(router.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS)
+    assert_same_outputs(got, [session[:TURNS] for session in stock_outputs[:SESSIONS]])
+    # the prefill server's histories came back from DRAM (promotions) and from NVMe (reads)
+    assert metric(prefill.base_url, "sglang:hiradix_moved_tokens_total", kind="PROMOTE") > 0
+    assert metric(prefill.base_url, "sglang:hiradix_prefetch_tokens_total", outcome="completed") > 0
+    # Whole histories: the decode server holds the KV of the previous prompt and of its answer but
+    # the last token (never fed back), and put its pages into the store. A later turn hits all of
+    # it but at most one page: where the answer's text, tokenized again inside the next prompt,
+    # gives other ids than the model generated, the page holding the answer's start cannot match.
+    # Measured (Dec 2 2026): 16 later turns hit 3,152 tokens of the 3,184 the decode server's KV
+    # covers; two turns lost one page each that way (HF transformers, same model, gives the same
+    # ids); with a stock decode server they hit only the previous prompts' pages: 3,072.
+    later = [(session[t - 1], session[t]) for session in got for t in range(1, TURNS)]
+    for prev, r in later:
+        assert r["cached"] >= pages(prev["prompt_tokens"] + prev["completion_tokens"] - 1) - PAGE, (prev, r)
+    cached = sum(r["cached"] for _, r in later)
+    prompt_pages = sum(pages(prev["prompt_tokens"]) for prev, _ in later)
+    kv_pages = sum(pages(prev["prompt_tokens"] + prev["completion_tokens"] - 1) for prev, _ in later)
+    assert cached >= kv_pages - 2 * PAGE, (cached, kv_pages)
+    assert cached > prompt_pages, (cached, prompt_pages)  # what a stock decode server gives: prompt_pages
+    assert metric(decode.base_url, "sglang:hiradix_decode_offload_tokens_total", outcome="stored") > 0
+    assert metric(decode.base_url, "sglang:hiradix_decode_offload_tokens_total", outcome="failed") == 0
+    assert metric(prefill.base_url, "sglang:hiradix_store_pages_total", op="found") > 0
+    log = prefill.log_text()
+    assert "Traceback" not in log and "IntegrityError" not in log, log[-4000:]
+    decode_log = decode.log_text()
+    assert "Traceback" not in decode_log, decode_log[-4000:]
+    assert "hiradix: decode-side offload on" in decode_log and "hiradix: decode offload:" in decode_log
+
+
+def test_dp_attention_ranks_keep_their_own_tiers_and_share_histories_through_the_store(deployments):
+    """DP attention (issue 18, item 3): each DP rank's scheduler has its own tree and tiers (its own
+    NVMe directory and DRAM pool, its look-ahead over its own queue); a turn SGLang's DP controller
+    sends to the other DP rank (``routed_dp_rank`` here, alternating every turn) finds the history
+    the first rank put into the store. Outputs are stock DP attention's with the same routing."""
+    stock, server = deployments["stock-dp"], deployments["hiradix-dp"]
+    route = lambda s, t: {"routed_dp_rank": (s + t) % 2}  # noqa: E731 - every turn moves
+    expected = run_sessions(stock.base_url, DP_SESSIONS, TURNS, WORDS, parallel=DP_SESSIONS, first_session=300,
+                            extra_of=route)
+    got = run_sessions(server.base_url, DP_SESSIONS, TURNS, WORDS, parallel=DP_SESSIONS, first_session=300,
+                       extra_of=route)
+    assert_same_outputs(got, expected)
+    hits = tier_hits(got)
+    assert hits["storage"] > 0, hits  # the other DP rank's history, from the store
+    # every later turn reuses at least the previous prompt's whole pages but one, from whichever tier
+    for session in got:
+        for before, after in zip(session, session[1:]):
+            assert after["cached"] >= pages(before["prompt_tokens"]) - PAGE, session
+    puts = [metric(server.base_url, "sglang:hiradix_store_pages_total", op="put", dp_rank=str(r)) for r in (0, 1)]
+    assert min(puts) > 0, puts  # both DP ranks write their own KV (each is rank 0 of its attention-TP group)
+    command = server.command()
+    nvme_root = Path(command[command.index("--hiradix-nvme-path") + 1])
+    assert sorted(p.name for p in nvme_root.iterdir()) == ["hiradix-rank0", "hiradix-rank1"]  # a tier set per DP rank
+    assert len(dram_pools_mapped(server)) == 2
+    log = server.log_text()
+    assert "Traceback" not in log and "IntegrityError" not in log, log[-4000:]
