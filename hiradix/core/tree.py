@@ -433,7 +433,8 @@ class TieredRadixTree:
         Read-only: nothing changes. Policy order within two passes: copies another local tier
         also holds first; then, if ``allow_sole``, last local copies (a store copy is only a
         hint), each node after its children in this tier (dropping a last copy deletes the
-        node, which may make its parent a leaf).
+        node, which may make its parent a leaf; a child the store still holds stays, so its
+        parent's last copy does not go).
 
         Returns:
             The nodes, in the order to drop them (children before parents): just enough for
@@ -450,13 +451,14 @@ class TieredRadixTree:
             freed += node.num_tokens // ps
         if freed >= num_pages or not allow_sole:
             return chosen
-        gone: set[TreeNode] = set()
+        gone: set[TreeNode] = set()  # nodes the plan deletes (no copy left, not even in the store)
         heap = [(key(n, tier), n.id, n) for n in cands if n.num_local_tiers == 1]
         heapq.heapify(heap)
         while heap and freed < num_pages:
             _, _, node = heapq.heappop(heap)
             chosen.append(node)
-            gone.add(node)
+            if node.num_tiers == 1:  # a store record keeps the node (and its parent's child) alive
+                gone.add(node)
             freed += node.num_tokens // ps
             parent = node.parent
             if (parent is not self.root and parent.tiers() == [tier] and parent.pinned[tier] == 0

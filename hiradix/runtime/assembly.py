@@ -258,8 +258,9 @@ def build_tiers(
     tiers.reserved_bytes = (dram.dram_bytes, nvme_slots * slot_bytes_for(layout.page_bytes)) if owner else (0, 0)
     tiers.on_close(dram.close)
     tiers.on_close(lambda: shutil.rmtree(shm_dir, ignore_errors=True))
-    if index is not None:
+    if index is not None or not owner:  # a rank that maps the owner's copy restores the owner's pages
         tiers.stats.restored_pages = restore(tree, books, pages)
+    if index is not None:
         tiers.on_close(index.close)
     if lock_fd >= 0:
         tiers.on_close(lambda: os.close(lock_fd))

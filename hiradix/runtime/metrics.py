@@ -26,6 +26,7 @@ from hiradix.core.ledger import Kind
 from hiradix.core.stats import PREFETCH_OUTCOMES, READ_AHEAD_OUTCOMES, STORAGE_HIT_READS
 
 TIERS = ("HBM", "DRAM", "NVMe", "store")  # label values of `tier`, fastest first (core Tier order)
+HOST_TIERS = ("DRAM", "NVMe")  # the tiers whose bytes hiradix reserves on the host
 KINDS = tuple(k.name for k in Kind)  # BACKUP, PROMOTE, DEMOTE, PREFETCH, PUT, GET
 STORE_OPS = ("lookup", "found", "put", "put_failed", "get", "get_failed")  # StoreTier.counts, in pages
 _STORE_COUNT = {"lookup": "lookup_pages", "found": "lookup_found_pages", "put": "put_pages",
@@ -49,7 +50,8 @@ SERIES: tuple[Series, ...] = (
     Series("sglang:hiradix_tier_capacity_bytes", "gauge", "Bytes of KV each tier can hold", "tier", TIERS),
     Series("sglang:hiradix_tier_used_bytes", "gauge", "Bytes of cached KV the tree holds in each tier", "tier", TIERS),
     Series("sglang:hiradix_reserved_bytes", "gauge",
-           "Host bytes this process reserves for a tier (0 where another TP rank holds the copy it uses)", "tier", TIERS),
+           "Host bytes this process reserves for a tier (0 where another TP rank holds the copy it uses)", "tier",
+           HOST_TIERS),
     Series("sglang:hiradix_moved_tokens_total", "counter", "Tokens moved between tiers, by transfer kind", "kind", KINDS),
     Series("sglang:hiradix_moved_bytes_total", "counter", "Bytes moved between tiers, by transfer kind", "kind", KINDS),
     Series("sglang:hiradix_failed_transfers_total", "counter", "Transfers with at least one failed page", "kind", KINDS),
@@ -114,7 +116,7 @@ class TierMetrics:
         for tier, pages in zip(TIERS, capacity_pages):
             self._set("sglang:hiradix_tier_capacity_tokens", pages * page_size, tier)
             self._set("sglang:hiradix_tier_capacity_bytes", pages * page_bytes, tier)
-        for tier, size_bytes in zip(("DRAM", "NVMe"), reserved_bytes):
+        for tier, size_bytes in zip(HOST_TIERS, reserved_bytes):
             self._set("sglang:hiradix_reserved_bytes", size_bytes, tier)
 
     def _labels(self, series: Series, value: Optional[str]) -> dict[str, str]:

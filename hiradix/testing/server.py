@@ -40,7 +40,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable, Mapping, Sequence
 
 import psutil
 
@@ -423,6 +424,16 @@ class ServerProcess:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.stop()
+
+
+def stop_all(servers: "Iterable[ServerProcess]") -> list[int | None]:
+    """Stop several servers at once (each :meth:`ServerProcess.stop` in its own thread: a stop
+    waits up to the grace period for its processes); their exit codes, in order."""
+    servers = list(servers)
+    if not servers:
+        return []
+    with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+        return list(pool.map(lambda server: server.stop(), servers))
 
 
 def _signal_group(pgid: int, sig: int) -> None:

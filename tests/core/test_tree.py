@@ -240,3 +240,23 @@ def test_randomized_against_reference_model():
         tree.dec_lock(node)
     check(tree, pool)
     assert tree.hbm_protected_tokens == 0
+
+
+def test_plan_keeps_a_parent_whose_child_the_store_still_holds():
+    """A parent's last local copy goes only after every child is deleted; a child that keeps a
+    store record is not deleted by dropping its DRAM copy, so the parent stays (found by the MLA
+    churn test: the scheduler died on ``_delete``'s assertion, a node deleted with a child)."""
+    tree = make_tree(page_size=2)
+    parent = tree.add_child(tree.root, [1, 2], None, Tier.DRAM, [10])
+    child = tree.add_child(parent, [3, 4], None, Tier.DRAM, [11])
+    tree.attach(child, Tier.STORE, ["k-child"])
+    other = tree.add_child(tree.root, [5, 6], None, Tier.DRAM, [12])
+    plan = tree.plan_evict(Tier.DRAM, 3, allow_sole=True)
+    assert parent not in plan and set(plan) == {child, other}
+    for node in plan:  # drop them as the ledger would: no assertion, the child keeps its record
+        tree.detach(node, Tier.DRAM)
+    assert child.alive and child.tiers() == [Tier.STORE] and parent.tiers() == [Tier.DRAM]
+    tree.check_integrity()
+    # once the child's record is forgotten too, it is deleted and the parent may go
+    tree.detach(child, Tier.STORE)
+    assert tree.plan_evict(Tier.DRAM, 1, allow_sole=True) == [parent]

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from hiradix.testing.router import RouterProcess
-from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, pick_free_port
+from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, pick_free_port, stop_all
 from tests.helpers.e2e import WORDS, assert_same_outputs, dram_pools_mapped, metric, mla_model, run_sessions, tier_hits
 from tests.helpers.store import requires_mooncake
 
@@ -81,8 +81,7 @@ def deployments(tiny_model: Path, store, tmp_path_factory) -> dict:
         yield {**servers, "router": router}
     finally:
         router.stop()
-        for server in servers.values():
-            server.stop()
+        stop_all(servers.values())
 
 
 @pytest.fixture(scope="module")
