@@ -153,7 +153,8 @@ FLAGS: tuple[FlagSpec, ...] = (
              "HBM and NVMe (needs an NVMe tier; like --hicache-host-memory-mode buffer_only).",
              choices=lambda: list(DRAM_MODES)),
     FlagSpec("nvme_path", "nvme_path", str, None,
-             "Directory for the NVMe tier's files (must exist; a private hiradix-rank<r>/ is made inside).",
+             "Directory for the NVMe tier's files (must exist; a private hiradix-rank<r>/ is made inside, r = the TP "
+             "rank; one for a shared MLA copy).",
              "DIR", convert=_resolve_path),
     FlagSpec("nvme_gb", "nvme_bytes", float, 0.0, ("NVMe tier per TP rank, in GB (an MLA model under TP: per node, one copy its ranks share); "
              "0 = no NVMe tier."), "GB",
@@ -180,8 +181,9 @@ FLAGS: tuple[FlagSpec, ...] = (
              "When KV is put into the store: write_through (once in DRAM) or write_back (once it left HBM).",
              choices=lambda: list(STORE_WRITE_POLICIES)),
     FlagSpec("mla_host_copy", "mla_host_copy", str, "node",
-             "MLA model under TP (every rank holds the same latent): node = one DRAM pool and NVMe tier per node, "
-             "written by rank 0 and read by every rank ((TP-1)/TP of the host bytes saved); rank = one per rank.",
+             "MLA model under TP (every rank holds the same latent): node = one DRAM pool and NVMe tier per "
+             "attention-TP group on a node, written by its rank 0 and read by every rank ((TP-1)/TP of the host bytes "
+             "saved; TP across hosts: one per rank); rank = one per rank.",
              choices=lambda: list(MLA_HOST_COPIES)),
 )  # fmt: skip
 FLAG_BY_NAME: dict[str, FlagSpec] = {f.name: f for f in FLAGS}
@@ -438,7 +440,8 @@ def check_machine(config: HiRadixConfig, *, ranks_on_this_node: int = 1) -> None
 
     Args:
         config: the validated configuration.
-        ranks_on_this_node: scheduler processes on this node (TP ranks x DP replicas).
+        ranks_on_this_node: copies of the tiers on this node: one per scheduler process (TP
+            ranks x DP replicas), one per attention-TP group for an MLA model's shared copy.
 
     Raises:
         HiRadixConfigError: naming the flag that asks for too much.

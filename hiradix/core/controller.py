@@ -68,16 +68,22 @@ def outcome_of(result: Any) -> int:
     return ABORTED if result.error else FAILED
 
 
+LOOKUP_FAILED = 1  # a store lookup's agreement value when it failed as a whole (0 is NOT_DONE)
+
+
 def found_of(result: Any) -> int:
-    """A store lookup's result as an agreement value: 1 + the leading run of keys found (MIN
-    over ranks is the run every rank holds); 1 when the job failed as a whole."""
+    """A store lookup's result as an agreement value: 2 + the leading run of keys found (MIN
+    over ranks is the run every rank holds); ``LOOKUP_FAILED`` when the job failed as a whole,
+    so a failure on any rank is every rank's (the store's failure count, hence its switch-off,
+    stays the same on all ranks: a TP rank that maps rank 0's MLA copy never sees an error)."""
+    if result.error:
+        return LOOKUP_FAILED
     found = 0
-    if not result.error:
-        for ok in result.ok:
-            if not ok:
-                break
-            found += 1
-    return 1 + found
+    for ok in result.ok:
+        if not ok:
+            break
+        found += 1
+    return 2 + found
 
 
 class TierController:
@@ -470,15 +476,15 @@ class TierController:
                 self.store.note_in_dram(op.nodes)
 
     def _apply_lookup(self, op_id: int, value: int) -> None:
-        """Apply an agreed store lookup (``value`` = 1 + pages found on every rank): attach what was
-        found and read it into DRAM within the lookup's deadline (if it has not expired)."""
+        """Apply an agreed store lookup (``value``: :func:`found_of`, the MIN over ranks): attach
+        what was found and read it into DRAM within the lookup's deadline (if it has not expired)."""
         self._local_done.pop(op_id, None)
-        result = self._results.pop(op_id, None)
+        self._results.pop(op_id, None)
         deadline_s = self._prefetch_deadline_s.pop(op_id, None)
         expired = op_id in self._expired
         self._expired.discard(op_id)
-        self.store.note_job(None, 0, 0, aborted=result is not None and bool(result.error))
-        node = self.store.finish_lookup(op_id, value - 1)
+        self.store.note_job(None, 0, 0, aborted=value == LOOKUP_FAILED)
+        node = self.store.finish_lookup(op_id, max(0, value - 2))
         if node is not None:
             ahead = deadline_s is None or expired
             self.prefetch([node], 0.0, ahead=ahead, src=Tier.STORE, deadline_s=None if ahead else deadline_s)

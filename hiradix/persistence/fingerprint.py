@@ -65,7 +65,7 @@ def model_identity(model_path: str, revision: Optional[str] = None) -> str:
 
 def kv_fingerprint(
     model_id: str, model_dtype: str, layout: KVLayout, tp_rank: int, tp_size: int, slot_bytes: int,
-    attn_dp_size: int = 1,
+    attn_dp_size: int = 1, shared_host_copy: bool = False,
 ) -> dict[str, str]:
     """Everything persisted KV depends on, as strings.
 
@@ -77,6 +77,9 @@ def kv_fingerprint(
         slot_bytes: bytes per NVMe slot (payload + trailer + padding).
         attn_dp_size: DP attention ranks (``--attn-dp-size``; each computes its own batches'
             KV, with other collectives than plain TP); recorded only when > 1.
+        shared_host_copy: the directory is the one copy the TP ranks of a node share (MLA,
+            ``hiradix.runtime.shared_host_copy``): a restart with one copy per rank (or the
+            other way round) must not re-index it on one rank only; recorded only when True.
     """
     return {
         "model": model_id,
@@ -91,6 +94,7 @@ def kv_fingerprint(
         "tp_rank": str(tp_rank),
         "tp_size": str(tp_size),
         **({"attn_dp_size": str(attn_dp_size)} if attn_dp_size > 1 else {}),
+        **({"host_copy": "node"} if shared_host_copy else {}),
         "slot_bytes": str(slot_bytes),
         "hiradix_version": hiradix.__version__,
         "page_hash": HASH_NAME,

@@ -80,11 +80,12 @@ def start_worker(dram: DramPool, nvme_dir: Optional[Path], nvme_slots: int, shm_
 
 
 def _open_index(nvme_dir: Path, identity: dict, layout: KVLayout, tp_rank: int, nvme_slots: int,
-                page_size: int) -> tuple[NvmeIndex, list]:
-    """The durable index of this rank's NVMe directory and its persisted pages."""
+                page_size: int, shared: bool = False) -> tuple[NvmeIndex, list]:
+    """The durable index of this rank's NVMe directory (``shared``: the node's one copy) and its
+    persisted pages."""
     fingerprint = kv_fingerprint(identity["model_id"], identity["model_dtype"], layout, tp_rank,
                                  identity["tp_size"], slot_bytes_for(layout.page_bytes),
-                                 attn_dp_size=identity.get("attn_dp_size", 1))
+                                 attn_dp_size=identity.get("attn_dp_size", 1), shared_host_copy=shared)
     if not (nvme_dir / NVME_FILE_NAME).exists() and (nvme_dir / INDEX_FILE_NAME).exists():
         logger.warning("hiradix: %s has an NVMe index but no slot file; starting empty", nvme_dir)
         (nvme_dir / INDEX_FILE_NAME).unlink()
@@ -157,8 +158,10 @@ def _nvme_slots(config: Any, layout: KVLayout) -> int:
     return max(0, config.nvme_bytes) // slot_bytes_for(layout.page_bytes)
 
 
-def _nvme_tier(config: Any, layout: KVLayout, tp_rank: int, page_size: int, identity: Optional[dict]):
-    """``(dir, slots, lock fd, index, persisted pages)`` of this rank's NVMe tier (0 slots: none)."""
+def _nvme_tier(config: Any, layout: KVLayout, tp_rank: int, page_size: int, identity: Optional[dict],
+               shared: bool = False):
+    """``(dir, slots, lock fd, index, persisted pages)`` of this rank's NVMe tier (0 slots: none;
+    ``shared``: the node's one MLA copy, rank 0's)."""
     if config.nvme_bytes <= 0:
         return None, 0, -1, None, []
     nvme_slots = _nvme_slots(config, layout)
@@ -166,7 +169,7 @@ def _nvme_tier(config: Any, layout: KVLayout, tp_rank: int, page_size: int, iden
     lock_fd = lock_dir(nvme_dir)  # also makes it private (0700)
     index, pages = None, []
     if identity is not None:
-        index, pages = _open_index(nvme_dir, identity, layout, tp_rank, nvme_slots, page_size)
+        index, pages = _open_index(nvme_dir, identity, layout, tp_rank, nvme_slots, page_size, shared)
     return nvme_dir, nvme_slots, lock_fd, index, pages
 
 
@@ -224,7 +227,7 @@ def build_tiers(
     if device.type == "cuda":
         dram.pin_for_cuda()  # False (one warning): the pool stays pageable and copies stay correct
     if owner:
-        nvme_dir, nvme_slots, lock_fd, index, pages = _nvme_tier(config, layout, tp_rank, page_size, identity)
+        nvme_dir, nvme_slots, lock_fd, index, pages = _nvme_tier(config, layout, tp_rank, page_size, identity, shared)
     else:  # the owner's NVMe tier: same slots in the books, no directory here
         nvme_dir, nvme_slots, lock_fd, index, pages = None, _nvme_slots(config, layout), -1, None, []
     if shared:

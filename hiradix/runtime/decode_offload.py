@@ -62,16 +62,18 @@ class DecodeOffloader:
 
     @classmethod
     def build(cls, config: Any, kv_pool: Any, page_size: int, identity: dict, tp_rank: int = 0,
-              io_backend: str = "auto") -> DecodeOffloader:
+              io_backend: str = "auto", group_rank: Optional[int] = None) -> DecodeOffloader:
         """The offloader of one decode scheduler: staging pool, worker, key prefix.
 
         Args:
             config: hiradix settings (``dram_bytes``/``dram_ratio``, ``store_backend``, ``store_config``).
             kv_pool: the device KV pool of this rank.
             page_size: tokens per page.
-            identity: ``model_id``, ``model_dtype`` and ``tp_size``, as the prefill server's
-                (:func:`hiradix.persistence.fingerprint.store_key_prefix`).
-            tp_rank: this rank.
+            identity: ``model_id``, ``model_dtype``, ``tp_size`` (and ``attn_dp_size``), as the
+                prefill server's (:func:`hiradix.persistence.fingerprint.store_key_prefix`).
+            tp_rank: this rank (names its private directory).
+            group_rank: this rank in its attention-TP group (the KV shard of the keys, and the
+                writer of an MLA latent); default ``tp_rank`` (no DP attention).
 
         Raises:
             ValueError: no cluster store in ``config``.
@@ -80,15 +82,19 @@ class DecodeOffloader:
         if not config.has_store_tier:
             raise ValueError("the decode-side offload needs a cluster store (--hiradix-store)")
         layout = KVLayout.from_device_pool(kv_pool, page_size)
-        pages = num_pages_for_bytes(dram_bytes_of(config, layout, kv_pool.size // page_size), layout)
+        group_rank = tp_rank if group_rank is None else group_rank
+        writer = is_store_writer(layout, group_rank)
+        # a rank that does not write (MLA: rank 0 of the group puts the latent) stages nothing
+        pages = num_pages_for_bytes(dram_bytes_of(config, layout, kv_pool.size // page_size), layout) if writer else 1
         shm_dir = Path(f"{default_shm_dir()}-rank{tp_rank}")
         remove_stale_dirs(shm_dir)
         ensure_private_dir(shm_dir)  # 0700: it holds the worker's socket directory
         remove_on_exit(shm_dir)
         dram = DramPool.create_anonymous(layout, pages)
-        prefix = store_key_prefix(identity["model_id"], identity["model_dtype"], layout, tp_rank, identity["tp_size"])
+        prefix = store_key_prefix(identity["model_id"], identity["model_dtype"], layout, group_rank, identity["tp_size"],
+                                  attn_dp_size=identity.get("attn_dp_size", 1))
         client = None
-        if is_store_writer(layout, tp_rank):
+        if writer:
             client = start_worker(dram, None, 0, shm_dir, io_backend, store_backend=config.store_backend,
                                   store_config=config.store_config, tp_rank=tp_rank, store_writer=True)
 

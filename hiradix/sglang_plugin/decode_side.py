@@ -66,9 +66,12 @@ def after_init_batch_result_processor(result: Any, scheduler: Any, *args: Any, *
     config = config_from_server_args(scheduler.server_args)
     args, parallel = scheduler.server_args, get_parallel()
     identity = {"model_id": model_identity(args.model_path, getattr(args, "revision", None)),
-                "model_dtype": str(scheduler.model_config.dtype), "tp_size": parallel.tp_size}
+                "model_dtype": str(scheduler.model_config.dtype), "tp_size": parallel.tp_size,
+                "attn_dp_size": int(getattr(args, "attn_dp_size", 1) or 1)}  # as the prefill side's (cache.py)
+    # The KV shard is the rank in the attention-TP group (the TP rank without DP attention).
     offloader = DecodeOffloader.build(config, scheduler.tp_worker.model_runner.token_to_kv_pool,
-                                      scheduler.page_size, identity, tp_rank=parallel.tp_rank)
+                                      scheduler.page_size, identity, tp_rank=parallel.tp_rank,
+                                      group_rank=parallel.attn_tp_rank)
     atexit.register(offloader.close)
     _BY_PROCESSOR[id(scheduler.batch_result_processor)] = offloader
     setattr(scheduler, OFFLOADER_ATTR, offloader)

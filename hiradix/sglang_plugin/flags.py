@@ -39,6 +39,7 @@ from hiradix.sglang_plugin.refusals import (
     is_decode_side,
     refuse,
     refuse_decode_side_without_store,
+    host_copies_on_this_node,
     refuse_dp_attention_unless_mla,
     refuse_tiers_below_one_page,
     refuse_unreachable_store,
@@ -82,7 +83,7 @@ def after_add_cli_args(result: None, parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "hiradix",
         "Tiered (HBM -> DRAM -> NVMe) radix prefix cache (hiradix plugin). "
-        "Sizes are per TP rank, in GB (1e9 bytes).",
+        "Sizes are per TP rank (an MLA model under TP: per node, see --hiradix-mla-host-copy), in GB (1e9 bytes).",
     )
     group.add_argument(
         "--enable-hiradix",
@@ -111,11 +112,6 @@ def _default_text(default: Any) -> str:
 
 def _given_value_flags(namespace: argparse.Namespace) -> list[str]:
     return [flag for dest, flag in VALUE_FLAGS.items() if getattr(namespace, dest, None) is not None]
-
-
-def _ranks_on_this_node(server_args: Any) -> int:
-    ranks = (getattr(server_args, "tp_size", 1) or 1) * (getattr(server_args, "dp_size", 1) or 1)
-    return max(1, ranks // max(1, getattr(server_args, "nnodes", 1) or 1))
 
 
 def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -> None:
@@ -160,6 +156,7 @@ def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -
         refuse(f"--hiradix-policy {config.policy} cannot be combined with --tp-size {tp_size} (it ranks by ages "
                "on each process's own clock, and TP ranks must evict alike); use --hiradix-policy lookahead")
     found = read_hf_config(str(result.model_path), getattr(result, "revision", None))
+    is_mla = found is not None and is_mla_config(found[0])
     if found is not None:
         hf_config, where = found
         reason = unsupported_model_reason(hf_config)
@@ -170,7 +167,7 @@ def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -
         refuse_tiers_below_one_page(config, hf_config, result, result.page_size or DEFAULT_PAGE_SIZE_TOKENS)
         refuse_dp_attention_unless_mla(result, is_mla_config(hf_config))
     try:
-        check_machine(config, ranks_on_this_node=_ranks_on_this_node(result))
+        check_machine(config, ranks_on_this_node=host_copies_on_this_node(result, config, is_mla))
     except HiRadixConfigError as e:
         refuse(str(e))
     if config.has_store_tier:

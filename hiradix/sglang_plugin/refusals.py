@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from hiradix.config import FLAG_OF_FIELD, HiRadixConfig
-from hiradix.sglang_plugin.model_check import page_bytes_estimate
+from hiradix.sglang_plugin.model_check import is_mla_config, page_bytes_estimate
 from hiradix.tiers.nvme import slot_bytes_for
 
 BACKEND_NAME = "hiradix"  # --radix-cache-backend name hiradix registers
@@ -50,10 +50,10 @@ class _Conflict:
     why: str
 
 
-_DP_DENSE_WHY = ("hiradix serves DP attention with MLA models (DeepSeek V2/V3, Kimi K2): one tree and tier set per DP "
-                 "rank, histories shared between DP ranks through --hiradix-store; stock SGLang 0.5.23's dense Llama "
-                 "models are not DP-attention aware (their embedding and heads split over the whole TP group: README, "
-                 "'What hiradix serves', footnote 1); use --tp-size without --attn-dp-size, or SGLang's HiCache")
+_DP_DENSE_WHY = ("hiradix serves DP attention with MLA models only (DeepSeek V2/V3, Kimi K2; tested: one tree and tier "
+                 "set per DP rank, histories shared between DP ranks through --hiradix-store); dense models with DP "
+                 "attention are not tested, and stock SGLang 0.5.23's Llama is not DP-attention aware (README, 'What "
+                 "hiradix serves', footnote 1); use --tp-size without --attn-dp-size")
 
 
 def _gt1(v: Any) -> bool:
@@ -135,7 +135,7 @@ def first_conflict(config_view: Any) -> tuple[_Conflict, Any] | None:
 # they would configure a cache that does not run, so a given one (not at its default) is refused.
 HICACHE_EQUIVALENTS: dict[str, str] = {
     "hicache_ratio": "--hiradix-dram-ratio (x the device pool)",
-    "hicache_size": "--hiradix-dram-gb (GB per TP rank)",
+    "hicache_size": "--hiradix-dram-gb (GB per TP rank; per node for an MLA model's shared copy)",
     "hicache_host_memory_mode": "--hiradix-dram-mode (cache | staging)",
     "hicache_host_memory_fraction": "--hiradix-dram-gb or --hiradix-dram-ratio (checked against free RAM at start)",
     "hicache_write_policy": "--hiradix-write-policy (write_through | write_back)",
@@ -199,6 +199,25 @@ def refuse_unreachable_store(config: HiRadixConfig) -> None:
         refuse(f"{FLAG_OF_FIELD['store_backend']} {config.store_backend}: the store of {flag} is unusable: {reason}")
 
 
+def host_copies_on_this_node(server_args: Any, config: HiRadixConfig, is_mla: bool) -> int:
+    """Copies of the DRAM and NVMe tiers on this node: one per scheduler (TP rank x DP replica),
+    or, for an MLA model with ``--hiradix-mla-host-copy node``, one per attention-TP group (the
+    ranks of a group share rank 0's copy: ``hiradix.runtime.shared_host_copy``)."""
+    def field(name: str) -> int:
+        return int(getattr(server_args, name, 1) or 1)
+
+    ranks = max(1, field("tp_size") * field("dp_size") // field("nnodes"))  # schedulers on this node
+    if not (is_mla and config.mla_host_copy == "node"):
+        return ranks
+    attn_dp = field("attn_dp_size")
+    if attn_dp == 1 and getattr(server_args, "enable_dp_attention", False):
+        attn_dp = field("dp_size")  # the deprecated spelling, before SGLang's resolution
+    attn_tp = max(1, field("tp_size") // attn_dp)
+    if attn_tp > ranks:
+        return ranks  # a group spans hosts: its ranks keep a copy each (shared_host_copy.wants_shared_copy)
+    return max(1, ranks // attn_tp)
+
+
 def refuse_tiers_below_one_page(config: HiRadixConfig, hf_config: dict, server_args: Any, page_size: int) -> None:
     """Refuse a DRAM or NVMe budget smaller than one KV page of this model (estimated)."""
     page_bytes = page_bytes_estimate(hf_config, page_size, int(getattr(server_args, "tp_size", 1) or 1),
@@ -206,7 +225,7 @@ def refuse_tiers_below_one_page(config: HiRadixConfig, hf_config: dict, server_a
     if page_bytes is None:
         return
     if config.dram_ratio:
-        refuse_dram_ratio(config, page_bytes, page_size, server_args)
+        refuse_dram_ratio(config, page_bytes, page_size, server_args, is_mla_config(hf_config))
     elif config.dram_bytes < page_bytes:
         refuse(f"{FLAG_OF_FIELD['dram_bytes']} {config.dram_bytes / 1e9:g} ({config.dram_bytes} bytes) holds no KV page "
                f"of this model ({page_bytes} bytes per page of {page_size} tokens)")
@@ -215,12 +234,14 @@ def refuse_tiers_below_one_page(config: HiRadixConfig, hf_config: dict, server_a
                f"of this model ({slot_bytes_for(page_bytes)} bytes per slot)")
 
 
-def refuse_dram_ratio(config: HiRadixConfig, page_bytes: int, page_size: int, server_args: Any) -> None:
+def refuse_dram_ratio(config: HiRadixConfig, page_bytes: int, page_size: int, server_args: Any,
+                      is_mla: bool = False) -> None:
     """Refuse a ``--hiradix-dram-ratio`` that holds no page or needs more RAM than is free, when
     ``--max-total-tokens`` fixes the device pool before the model loads (otherwise the pool is
     sized by SGLang's memory profiling and the scheduler checks the ratio: ``dram_bytes_of``).
 
-    ``page_bytes`` is one rank's page; the RAM needed counts every scheduler on this node.
+    ``page_bytes`` is one rank's page; the RAM needed counts every copy on this node
+    (:func:`host_copies_on_this_node`).
     """
     import psutil
 
@@ -233,11 +254,10 @@ def refuse_dram_ratio(config: HiRadixConfig, page_bytes: int, page_size: int, se
     pool = f"the device pool (--max-total-tokens {max_total_tokens}: {device_bytes} bytes)"
     if dram_bytes < page_bytes:
         refuse(f"{flag} x {pool} holds no KV page of this model ({page_bytes} bytes per page of {page_size} tokens)")
-    ranks = int(getattr(server_args, "tp_size", 1) or 1) * int(getattr(server_args, "dp_size", 1) or 1)
-    ranks = max(1, ranks // max(1, int(getattr(server_args, "nnodes", 1) or 1)))  # schedulers on this node
+    ranks = host_copies_on_this_node(server_args, config, is_mla)
     available = psutil.virtual_memory().available
     if dram_bytes * ranks > available:
-        times = f" x {ranks} ranks" if ranks > 1 else ""
+        times = f" x {ranks} copies (ranks)" if ranks > 1 else ""
         refuse(f"{flag} x {pool}{times} needs {dram_bytes * ranks / 1e9:.2f} GB of RAM but only "
                f"{available / 1e9:.2f} GB is available")
 

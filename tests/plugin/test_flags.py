@@ -757,6 +757,20 @@ def test_config_is_frozen():
         HiRadixConfig().dram_bytes = 1  # type: ignore[misc]
 
 
+@pytest.mark.parametrize("fields, is_mla, mode, copies", [
+    ({"tp_size": 8}, True, "node", 1),  # one shared copy per node: 1/8 of per-rank RAM and disk
+    ({"tp_size": 8}, True, "rank", 8),
+    ({"tp_size": 8}, False, "node", 8),  # dense: every rank holds its own heads
+    ({"tp_size": 2, "attn_dp_size": 2}, True, "node", 2),  # DP attention: a copy per DP rank
+    ({"tp_size": 4, "dp_size": 2, "enable_dp_attention": True}, True, "node", 4),  # 4 x 2 ranks, attn-TP 2
+    ({"tp_size": 8, "nnodes": 2}, True, "node", 4),  # TP across hosts: a copy per rank
+], ids=["mla-tp8", "mla-tp8-rank", "dense-tp8", "mla-dp2", "mla-deprecated-dp", "mla-two-nodes"])
+def test_host_copies_on_this_node(fields, is_mla, mode, copies):
+    """The free RAM and disk checks count the copies a node keeps, not its ranks, for a shared MLA copy."""
+    args = types.SimpleNamespace(**{"tp_size": 1, "dp_size": 1, "nnodes": 1, "attn_dp_size": None, **fields})
+    assert refusals.host_copies_on_this_node(args, HiRadixConfig(mla_host_copy=mode), is_mla) == copies
+
+
 def test_check_machine(tmp_path):
     available = psutil.virtual_memory().available
     check_machine(HiRadixConfig(dram_bytes=1_000_000))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from hiradix.core.controller import found_of, outcome_of
+from hiradix.core.controller import LOOKUP_FAILED, found_of, outcome_of
 from hiradix.core.ports import OK
 from hiradix.dataplane.layout import KVLayout
 from hiradix.runtime.shared_host_copy import (ReplicaIOClient, ReplicaJournal, share_persisted_pages,
@@ -89,8 +89,10 @@ def test_replica_client_completes_every_job_ok_so_the_owner_outcome_wins():
     done = {r.job_id: r for r in client.poll()}
     assert sorted(done) == [1, 2, 3, 4, 5] and client.poll() == []
     assert all(outcome_of(done[j]) == OK for j in (1, 2, 3, 4))
-    # a lookup: "all 4 found" here, so MIN over ranks is the owner's leading run
-    assert found_of(done[5]) == 5 and min(found_of(done[5]), 1 + 2) == 3
+    # a lookup: "all 4 found" here, so MIN over ranks is the owner's leading run (2 + found), and
+    # the owner's failed lookup (LOOKUP_FAILED) is every rank's
+    assert found_of(done[5]) == 2 + 4 and min(found_of(done[5]), 2 + 1) == 3
+    assert min(found_of(done[5]), LOOKUP_FAILED) == LOOKUP_FAILED
     assert client.check_alive() and not client.disabled
 
 
