@@ -103,6 +103,16 @@ def edit_file(path: Path, marker: str, edits: list[Edit]) -> str:
     return APPLIED
 
 
+def edit_files(targets: list[tuple[Path, list[Edit]]], marker: str) -> tuple[str, str]:
+    """Apply one patch that edits several files: every anchor of every file is checked before
+    anything is written (a failure leaves no half-patched state). Returns ``(status, paths)``:
+    APPLIED if any file changed, else ALREADY, and the files as one comma-separated string."""
+    for path, edits in targets:
+        check_anchors(path, marker, edits)
+    statuses = [edit_file(path, marker, edits) for path, edits in targets]
+    return (APPLIED if APPLIED in statuses else ALREADY), ", ".join(str(p) for p, _ in targets)
+
+
 def check_anchors(path: Path, marker: str, edits: list[Edit]) -> None:
     """Raise PatchError unless `path` is patched already or holds every anchor exactly once."""
     text = path.read_text(encoding="utf-8")

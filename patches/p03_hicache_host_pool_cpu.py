@@ -18,14 +18,7 @@ Both edits leave the CUDA/HIP/XPU paths unchanged.
 
 from __future__ import annotations
 
-from _patchlib import (
-    APPLIED,
-    Edit,
-    check_anchors,
-    edit_file,
-    installed_file,
-    require_sglang_version,
-)
+from _patchlib import Edit, edit_files, installed_file, require_sglang_version
 
 NAME = "hicache-host-pool-cpu"
 MARKER = "hiradix-patch: hicache-host-pool-cpu"
@@ -65,9 +58,4 @@ def apply() -> tuple[str, str]:
         (installed_file("sglang", "sglang/srt/mem_cache/pool_host/mha.py"),
          [Edit(MHA_ANCHOR, MHA_REPLACEMENT)]),
     ]
-    # Check every anchor before writing anything, so a failure leaves no half-patched state.
-    for path, edits in targets:
-        check_anchors(path, MARKER, edits)
-    statuses = [edit_file(path, MARKER, edits) for path, edits in targets]
-    status = APPLIED if APPLIED in statuses else statuses[0]
-    return status, ", ".join(str(p) for p, _ in targets)
+    return edit_files(targets, MARKER)

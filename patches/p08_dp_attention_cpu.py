@@ -21,7 +21,7 @@ have their own fill value, and a non-empty batch takes the same rotary path as b
 
 from __future__ import annotations
 
-from _patchlib import APPLIED, Edit, check_anchors, edit_file, installed_file, require_sglang_version
+from _patchlib import Edit, edit_files, installed_file, require_sglang_version
 
 NAME = "dp-attention-cpu"
 MARKER = "hiradix-patch: dp-attention-cpu"
@@ -61,8 +61,4 @@ def apply() -> tuple[str, str]:
         (installed_file("sglang", "sglang/srt/layers/rotary_embedding/base.py"),
          [Edit(ROTARY_ANCHOR, ROTARY_REPLACEMENT)]),
     ]
-    for path, edits in targets:  # every anchor first, so a failure writes nothing
-        check_anchors(path, MARKER, edits)
-    statuses = [edit_file(path, MARKER, edits) for path, edits in targets]
-    status = APPLIED if APPLIED in statuses else statuses[0]
-    return status, ", ".join(str(p) for p, _ in targets)
+    return edit_files(targets, MARKER)

@@ -240,7 +240,7 @@ def build_tiers(
                                       identity["tp_size"], attn_dp_size=identity.get("attn_dp_size", 1))
     client = None
     if (nvme_slots > 0 or key_prefix is not None) and not owner:
-        client = ReplicaIOClient()
+        client = ReplicaIOClient()  # rank 0's worker moves this rank's pages too
     elif nvme_slots > 0 or key_prefix is not None:
         client = start_worker(dram, nvme_dir, nvme_slots, shm_dir, io_backend, keep=index is not None and index.reused,
                               store_backend=config.store_backend or "", store_config=config.store_config,
