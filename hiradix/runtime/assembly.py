@@ -123,6 +123,16 @@ def remove_on_exit(path: Path) -> None:
         signal.signal(signum, handler)
 
 
+def private_shm_dir(tp_rank: int) -> Path:
+    """This scheduler's private shared-memory directory (0700; it holds the I/O worker's socket
+    directory): stale ones of dead schedulers removed first, this one removed at exit."""
+    shm_dir = Path(f"{default_shm_dir()}-rank{tp_rank}")
+    remove_stale_dirs(shm_dir)
+    ensure_private_dir(shm_dir)
+    remove_on_exit(shm_dir)
+    return shm_dir
+
+
 def dram_bytes_of(config: Any, layout: KVLayout, device_pages: int) -> int:
     """The DRAM tier's bytes: ``--hiradix-dram-gb``, or ``--hiradix-dram-ratio`` x the device pool.
 
@@ -209,10 +219,7 @@ def build_tiers(
     """
     layout = KVLayout.from_device_pool(kv_pool, page_size)
     dram_pages = num_pages_for_bytes(dram_bytes_of(config, layout, kv_pool.size // page_size), layout)
-    shm_dir = Path(f"{default_shm_dir()}-rank{tp_rank}")
-    remove_stale_dirs(shm_dir)
-    ensure_private_dir(shm_dir)  # 0700: it holds the worker's socket directory
-    remove_on_exit(shm_dir)
+    shm_dir = private_shm_dir(tp_rank)
     multi_rank = tp_group is not None and torch.distributed.get_world_size(tp_group) > 1
     # This rank in the group that shares a batch (the attention-TP group under DP attention): it
     # picks the KV shard of the store keys, the store writer and the owner of a shared host copy.

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -29,9 +28,8 @@ from hiradix.dataplane import layout as kv_layout
 from hiradix.dataplane.layout import KVLayout, device_buffers
 from hiradix.io.client import IOWorkerClient
 from hiradix.persistence.fingerprint import is_store_writer, store_key_prefix
-from hiradix.runtime.assembly import dram_bytes_of, remove_on_exit, start_worker
+from hiradix.runtime.assembly import dram_bytes_of, private_shm_dir, start_worker
 from hiradix.tiers.dram import DramPool, num_pages_for_bytes
-from hiradix.tiers.files import default_shm_dir, ensure_private_dir, remove_stale_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -86,10 +84,7 @@ class DecodeOffloader:
         writer = is_store_writer(layout, group_rank)
         # a rank that does not write (MLA: rank 0 of the group puts the latent) stages nothing
         pages = num_pages_for_bytes(dram_bytes_of(config, layout, kv_pool.size // page_size), layout) if writer else 1
-        shm_dir = Path(f"{default_shm_dir()}-rank{tp_rank}")
-        remove_stale_dirs(shm_dir)
-        ensure_private_dir(shm_dir)  # 0700: it holds the worker's socket directory
-        remove_on_exit(shm_dir)
+        shm_dir = private_shm_dir(tp_rank)
         dram = DramPool.create_anonymous(layout, pages)
         prefix = store_key_prefix(identity["model_id"], identity["model_dtype"], layout, group_rank, identity["tp_size"],
                                   attn_dp_size=identity.get("attn_dp_size", 1))
