@@ -4,7 +4,13 @@
 (``--pd-disaggregation --prefill URL BOOTSTRAP_PORT --decode URL``). The router says it is up
 before its workers are healthy, so :meth:`RouterProcess.start` waits until ``/workers`` lists every
 worker healthy and ready. Its health checks call the workers' ``/health``; the interval and timeout are set long enough
-for CPU workers. Stopped by PID (its process group), also on failure.
+for CPU workers. Its Prometheus metrics are read from its own port (:meth:`RouterProcess.samples`,
+:meth:`RouterProcess.requests_per_worker`). Stopped by PID (its process group), also on failure.
+
+Workers behind it need ``--served-model-name`` equal to the ``model`` the clients send (the router
+picks workers by model id; the tests use ``default``). A request sent to a worker that died is
+retried on another one (``smg_worker_retries_total``); the dead worker leaves ``/workers``' healthy
+list at the next failed health check and comes back once its ``/health`` answers again.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Optional, Sequence
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from hiradix.testing.server import pick_free_port
 
@@ -112,6 +120,41 @@ class RouterProcess:
 
     def _ready(self) -> bool:
         return self.healthy_workers() >= self.expected_workers
+
+    def wait_workers(self, count: int, timeout_s: float = 120.0, poll_s: float = 0.5) -> None:
+        """Wait until exactly ``count`` workers are listed healthy and ready (after a worker was
+        killed: fewer; after it was restarted: all again; the router's health checks run every 5 s).
+
+        Raises:
+            TimeoutError: not so within ``timeout_s`` (the message has the count seen last).
+        """
+        deadline = time.monotonic() + timeout_s
+        while (seen := self.healthy_workers()) != count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"router lists {seen} healthy workers, not {count}, after {timeout_s:g} s")
+            time.sleep(poll_s)
+
+    def metrics_text(self, timeout_s: float = 10.0) -> str:
+        """The router's Prometheus exposition (``GET /metrics`` on its Prometheus port)."""
+        url = f"http://{self.host}:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.read().decode()
+
+    def samples(self, name: str) -> list[tuple[dict[str, str], float]]:
+        """``(labels, value)`` of every sample of the metric ``name`` (e.g. ``smg_worker_requests_total``,
+        ``smg_router_ttft_seconds_sum``), parsed by prometheus_client."""
+        found = []
+        for family in text_string_to_metric_families(self.metrics_text()):
+            found += [(dict(s.labels), float(s.value)) for s in family.samples if s.name == name]
+        return found
+
+    def requests_per_worker(self) -> dict[str, float]:
+        """Requests the router sent to each worker so far, by worker URL (``smg_worker_requests_total``;
+        a request retried on another worker counts on both)."""
+        counts: dict[str, float] = {}
+        for labels, value in self.samples("smg_worker_requests_total"):
+            counts[labels["worker"]] = counts.get(labels["worker"], 0.0) + value
+        return counts
 
     def stop(self) -> Optional[int]:
         """SIGTERM to its process group, SIGKILL after 10 s; returns its exit status."""

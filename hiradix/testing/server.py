@@ -249,16 +249,21 @@ class ServerProcess:
     def start(self, wait: bool = True) -> "ServerProcess":
         """Spawn the server (in a new session) and, by default, wait until it is healthy.
 
+        A stopped server (its launcher exited) can be started again, on the same port with the
+        same flags and log: a restart.
+
         Returns:
             self.
 
         Raises:
-            RuntimeError: If already started.
+            RuntimeError: If it is running.
             ServerStartError: If the process exits before it is healthy or the timeout passes
                 (the process group is stopped first).
         """
-        if self._proc is not None:
+        if self._proc is not None and self._proc.poll() is None:
             raise RuntimeError("server already started")
+        if self._log_file is not None:  # a launcher that died on its own, never stopped
+            self._log_file.close()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab")
         cmd = self.command()
