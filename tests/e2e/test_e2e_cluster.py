@@ -3,25 +3,33 @@
 One store (:class:`hiradix.testing.mooncake.MooncakeCluster`: a master and a holder on
 loopback) and two hiradix servers A and B (tiny model, ``--hiradix-store mooncake``,
 ``HIRADIX_CHECK_INTEGRITY=1``: the invariants are proved after every scheduler step) are shared
-by the module and stopped by PID. The tests run in file order; the fault tests come last.
+by the module and stopped by PID; SGLang's router (``smg launch --policy round_robin``,
+:class:`hiradix.testing.router.RouterProcess`) stands in front of A and B for the router tests.
+The tests run in file order; the worker kill and the store fault tests come last.
 
 | test                                   | expected                                                     |
 |----------------------------------------|--------------------------------------------------------------|
 | turns alternate between A and B        | the other server's turns hit from the store: >= 90% of the reusable prefix; outputs == stock |
 | salted requests                        | a salt never hits another salt's pages; the same salt does   |
 | a server with another page size        | no hits on what A and B stored                               |
+| chats through SGLang's router (smg, round_robin, in front of A and B) | every turn that lands on the other server hits >= 90% of its reusable prefix, the part A/B did not hold from the store; outputs == stock; salts never cross |
+| B killed mid-run behind the router, then restarted | every request answered by A with stock's tokens within its deadline; the router stops sending to B; B rejoins and hits the store for what A wrote |
 | holder killed / master frozen / killed | every request answered with the right tokens within its deadline; the store tier switches off and comes back with the store |
 """
 
 from __future__ import annotations
 
 import re
+import signal
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from hiradix.testing.mooncake import MooncakeCluster
+from hiradix.testing.router import RouterProcess
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
 from tests.helpers.e2e import TURNS, WORDS, assert_same_outputs, chat, metric, user_turn
 from tests.helpers.store import requires_mooncake
@@ -43,6 +51,7 @@ def hiradix_args(store: MooncakeCluster, page_size: int = PAGE_TOKENS) -> list[s
         "--enable-hiradix", "--hiradix-dram-gb", "0.05",
         "--hiradix-store", "mooncake", "--hiradix-store-config", store.config_json(),
         "--hiradix-load-timeout-s", str(TIMEOUT_S),
+        "--served-model-name", "default",  # the router picks workers by the model id the clients send
     ]  # fmt: skip
 
 
@@ -71,6 +80,14 @@ def servers(tiny_model, store, tmp_path_factory) -> list[ServerProcess]:
 @pytest.fixture(scope="module")
 def pair(servers) -> list[ServerProcess]:
     return servers[:2]
+
+
+@pytest.fixture(scope="module")
+def router(pair, tmp_path_factory) -> RouterProcess:
+    """SGLang's router (smg 1.13.0, round_robin) in front of A and B; stopped by PID."""
+    with RouterProcess(tmp_path_factory.mktemp("router") / "router.log",
+                       worker_urls=[s.base_url for s in pair], policy="round_robin") as found:  # fmt: skip
+        yield found
 
 
 def from_store(r: dict) -> int:
@@ -157,6 +174,124 @@ def test_another_page_size_on_the_same_store_gets_no_hits(servers, store):
 def answered_in_time(r: dict) -> dict:
     assert r["latency_s"] < ANSWER_WITHIN_S, r
     return r
+
+
+# ---------------------------------------------------------------- behind SGLang's router
+
+ROUTED_SESSIONS = range(6, 11)  # sessions of the e2e workload no other test of the module sends
+KILLED_SESSIONS = range(11, 15)
+
+
+def landed_on(router: RouterProcess, before: dict[str, float]) -> str:
+    """The worker URL whose routed-request count grew since ``before`` (one request in flight)."""
+    after = router.requests_per_worker()
+    grown = [url for url, n in after.items() if n > before.get(url, 0.0)]
+    assert len(grown) == 1, (before, after)
+    return grown[0]
+
+
+def run_through_router(router: RouterProcess, sessions: range, turns: int) -> tuple[list[list[dict]], list[list[str]]]:
+    """The e2e workload's ``sessions``, turn-major, one request at a time through the router's
+    OpenAI endpoint; each result's worker from the router's per-worker counters."""
+    histories = [[{"role": "system", "content": "You are a terse assistant."}] for _ in sessions]
+    results: list[list[dict]] = [[] for _ in sessions]
+    workers: list[list[str]] = [[] for _ in sessions]
+    for t in range(turns):
+        for i, s in enumerate(sessions):
+            histories[i].append({"role": "user", "content": user_turn(s, t, WORDS)})
+            before = router.requests_per_worker()
+            r = answered_in_time(chat(router.base_url, histories[i]))
+            workers[i].append(landed_on(router, before))
+            histories[i].append({"role": "assistant", "content": r["text"]})
+            results[i].append(r)
+    return results, workers
+
+
+def test_chats_through_the_router_hit_the_store_when_a_turn_moves(router, pair, stock_outputs):
+    got, workers = run_through_router(router, ROUTED_SESSIONS, TURNS)
+    assert_same_outputs(got, [stock_outputs[s] for s in ROUTED_SESSIONS])
+    assert {w for row in workers for w in row} == {s.base_url for s in pair}  # round_robin used both
+    moved = 0
+    for session, row in zip(got, workers):
+        for t in range(1, TURNS):
+            if row[t] == row[t - 1]:
+                continue
+            moved += 1
+            prefix = session[t - 1]["prompt_tokens"] // PAGE_TOKENS * PAGE_TOKENS  # the history, whole pages
+            assert session[t]["cached"] >= 0.9 * prefix, (t, session[t], prefix)
+            if row[t] not in row[:t]:  # this server never saw the session: all but the shared system pages from the store
+                assert from_store(session[t]) >= prefix - 2 * PAGE_TOKENS, (t, session[t], prefix)
+            else:  # it holds an older turn: at least the other server's last turn comes from the store
+                assert from_store(session[t]) > 0, (t, session[t])
+    assert moved >= len(ROUTED_SESSIONS)  # 5 sessions on 2 workers round-robin: turns do move
+    counts = router.requests_per_worker()
+    assert sum(counts.values()) >= len(ROUTED_SESSIONS) * TURNS
+
+
+def test_salted_requests_through_the_router_never_hit_each_others_pages(router, store):
+    before = store.key_count()
+    first = chat(router.base_url, prompt("routed-salt"), cache_salt="tenant-1")
+    wait_until_stored(store, before + first["prompt_tokens"] // PAGE_TOKENS)
+    # round_robin: the next three go B, A, B (A: where tenant-1's pages are in HBM)
+    other = chat(router.base_url, prompt("routed-salt"), cache_salt="tenant-2")
+    unsalted = chat(router.base_url, prompt("routed-salt"))
+    same = chat(router.base_url, prompt("routed-salt"), cache_salt="tenant-1")
+    for r in (other, unsalted):
+        assert from_store(r) == 0 and r["cached"] < PAGE_TOKENS * 2, r  # at most a server's own template pages
+    assert same["cached"] >= first["prompt_tokens"] // PAGE_TOKENS * PAGE_TOKENS - PAGE_TOKENS, same
+    assert other["text"] == unsalted["text"] == same["text"] == first["text"]
+
+
+def test_a_killed_worker_is_routed_around_and_rejoins_with_the_store(router, pair, stock_outputs):
+    a, b = pair
+    sessions = KILLED_SESSIONS
+    histories = [[{"role": "system", "content": "You are a terse assistant."}] for _ in sessions]
+    results: list[list[dict]] = [[] for _ in sessions]
+    first_turn_done, count_lock = threading.Event(), threading.Lock()
+    answered = [0]
+
+    def one(i: int, t: int) -> None:
+        histories[i].append({"role": "user", "content": user_turn(sessions[i], t, WORDS)})
+        r = answered_in_time(chat(router.base_url, histories[i]))
+        histories[i].append({"role": "assistant", "content": r["text"]})
+        results[i].append(r)
+        with count_lock:
+            answered[0] += 1
+            if answered[0] == len(sessions):
+                first_turn_done.set()
+
+    def session(i: int) -> None:
+        for t in range(TURNS - 1):
+            one(i, t)
+
+    with ThreadPoolExecutor(max_workers=len(sessions)) as pool:
+        running = [pool.submit(session, i) for i in range(len(sessions))]
+        assert first_turn_done.wait(ANSWER_WITHIN_S)
+        b.signal_group(signal.SIGKILL)  # B dies with requests of turn 2 in flight or queued
+        for f in running:
+            f.result()
+    b.stop()
+    router.wait_workers(1, timeout_s=60)
+    assert_same_outputs(results, [stock_outputs[s][: TURNS - 1] for s in sessions])
+    only_a = router.requests_per_worker()
+    extra = [answered_in_time(chat(router.base_url, prompt(f"survivor{i}"))) for i in range(3)]
+    after = router.requests_per_worker()
+    assert after[b.base_url] == only_a[b.base_url] and after[a.base_url] == only_a[a.base_url] + 3
+    assert len({r["text"] for r in extra}) == 3
+    # B comes back (empty tiers): the router sends to it again, and it finds A's turns in the store.
+    b.start()
+    router.wait_workers(2, timeout_s=60)
+    stored = 0
+    for i, s in enumerate(sessions):
+        histories[i].append({"role": "user", "content": user_turn(s, TURNS - 1, WORDS)})
+        before = router.requests_per_worker()
+        r = answered_in_time(chat(router.base_url, histories[i]))
+        assert r["text"] == stock_outputs[s][TURNS - 1]["text"]
+        if landed_on(router, before) == b.base_url:
+            prefix = results[i][-1]["prompt_tokens"] // PAGE_TOKENS * PAGE_TOKENS
+            assert from_store(r) >= prefix - 2 * PAGE_TOKENS, (r, prefix)
+            stored += 1
+    assert stored >= 1  # round_robin sent some of them to B
 
 
 def test_store_faults_degrade_to_recompute_and_the_tier_comes_back(pair, store):
