@@ -68,6 +68,8 @@ if __package__ in (None, ""):  # run as a script: make `hiradix` and `bench` imp
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.sim.offline import infinite_hit_rates  # noqa: E402,F401 - re-exported (tests, sweep)
+from bench.sim.cost import check_load_policy, plan_load, time_saved  # noqa: E402
+from bench.sim.parallel import run_all  # noqa: E402
 from bench.sim.report import format_table, plot  # noqa: E402
 from bench.sim.sweep import DEFAULT_FRACTIONS, sweep_main  # noqa: E402
 from hiradix.core.policy import make_policy  # noqa: E402
@@ -116,10 +118,18 @@ class SimConfig:
     store_read_bytes_per_s: float = 10e9  # store -> DRAM (RDMA-class network)
     store_write_bytes_per_s: float = 10e9  # DRAM -> store
     store_query_s: float = 0.0005  # one batched exists
+    # Cost model (bench/sim/cost.py over hiradix.core.load_or_recompute; issue 19 item 4). Off: the
+    # figures of bench/RESULTS.md before it (reads timed on the I/O channels, prefill = uncached / rate).
+    cost_model: bool = False  # service time per request = reads + prefill; NVMe/store reads untimed on the channels
+    dram_read_bytes_per_s: float = 25e9  # DRAM -> HBM: PCIe 4.0 x16 nominal (no GPU measurement in RESULTS.md)
+    load_overlap: bool = False  # reads overlap the prefill of the rest (AttentionStore 3.3); off: store and NVMe
+    # pages land in DRAM before admission, as hiradix reads them today
+    load_policy: str = "worth"  # worth (load or recompute), always (read every hit), never (recompute below HBM)
 
     def __post_init__(self) -> None:
         if not 1 <= self.page_size <= BLOCK_TOKENS or BLOCK_TOKENS % self.page_size:
             raise ValueError(f"--page-size must divide {BLOCK_TOKENS}, got {self.page_size}")
+        check_load_policy(self.load_policy)
         for name in ("hbm_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "max_running", "time_scale"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -213,6 +223,7 @@ class SimRequest:
     protected_len: int = 0  # tokens of the key that hit (the tree's slots in ``row``)
     served: tuple = (0, 0, 0)  # hit tree tokens from HBM, DRAM, NVMe (as hiradix reports them)
     admitted_s: float = 0.0
+    service_s: float = 0.0  # modelled prefill time (reads + prefill of the rest), seconds
     queued: Optional[QueuedKey] = None  # the look-ahead's key and last peek (built at arrival)
 
     def __post_init__(self) -> None:
@@ -226,6 +237,9 @@ class Counters:
     prompt_tokens: int = 0
     hit_tokens: list = field(default_factory=lambda: [0, 0, 0])  # from HBM, DRAM, NVMe
     store_tokens: int = 0  # of the DRAM hits, tokens read from the cluster store (another server's KV)
+    service_s: float = 0.0  # modelled prefill time of all requests: reads + prefill of the rest, seconds
+    no_cache_s: float = 0.0  # the same with no cache: every prompt token prefilled, seconds
+    recomputed_hit_tokens: int = 0  # cached below HBM, recomputed because reading was slower (cost model)
     strict_dram_tokens: int = 0  # hits already in DRAM at the first admission attempt
     ready_tokens: int = 0  # hits already in HBM or DRAM at the first admission attempt (no wait)
     block_refs: int = 0
@@ -265,9 +279,9 @@ class Engine:
             nvme_pages = cfg.nvme_tokens // cfg.page_size if lowest_tier == "nvme" else 0
             tiers = simulated_controller(
                 self.tree, cfg.dram_tokens // cfg.page_size, nvme_pages, cfg.page_bytes, cfg.write_through, self.clock,
-                read_s_per_page=cfg.page_bytes / cfg.nvme_read_bytes_per_s,
+                read_s_per_page=0.0 if cfg.cost_model else cfg.page_bytes / cfg.nvme_read_bytes_per_s,
                 write_s_per_page=cfg.page_bytes / cfg.nvme_write_bytes_per_s,
-                store=store, store_read_s_per_page=cfg.page_bytes / cfg.store_read_bytes_per_s,
+                store=store, store_read_s_per_page=0.0 if cfg.cost_model else cfg.page_bytes / cfg.store_read_bytes_per_s,
                 store_write_s_per_page=cfg.page_bytes / cfg.store_write_bytes_per_s, store_query_s=cfg.store_query_s,
                 write_selective=cfg.write_selective, dram_staging=cfg.dram_staging,
             )  # fmt: skip
@@ -371,7 +385,8 @@ class Engine:
             batch_tokens += (len(req.key) - req.protected_len) * cfg.unit_tokens + req.trace.input_len % cfg.page_size
         if self.batch:
             self.cache.start_loading()
-            self.batch_done_s = now + cfg.batch_overhead_s + batch_tokens / cfg.prefill_tokens_per_s
+            work_s = sum(r.service_s for r in self.batch) if cfg.cost_model else batch_tokens / cfg.prefill_tokens_per_s
+            self.batch_done_s = now + cfg.batch_overhead_s + work_s
 
     def _try_admit(self, req: SimRequest, m) -> bool:
         """Lock the hit, load the DRAM part back, allocate the rest (``add_one_req``)."""
@@ -381,7 +396,8 @@ class Engine:
         if need > self.device.available_size() + tree.hbm_evictable_tokens:
             tree.dec_lock(m.hbm_node)
             return False
-        back = cache.load_back(m.hbm_node, m.dram_node, m.dram_len)
+        plan = plan_load(self.cfg, tree, m, req.trace.input_len) if self.cfg.cost_model else None
+        back = cache.load_back(m.hbm_node, *((plan.end, plan.tree_tokens) if plan else (m.dram_node, m.dram_len)))
         loaded, last = back.loaded, back.node
         storage = back.read_from[Tier.NVME]  # read up from NVMe for this use, ahead or waited for (as the server reports)
         self.counters.store_tokens += back.read_from[Tier.STORE] * self.cfg.unit_tokens
@@ -397,6 +413,9 @@ class Engine:
         req.row = cache.path_slots(last) + new[: len(req.key) - hit]
         req.scratch = new[len(req.key) - hit :]
         req.served = (m.hbm_len, loaded - storage, storage)
+        u, rate = self.cfg.unit_tokens, self.cfg.prefill_tokens_per_s
+        req.service_s = plan.service_s(hit * u) if plan else (req.trace.input_len - hit * u) / rate
+        self.counters.recomputed_hit_tokens += (plan.cached_tokens - hit * u) if plan else 0
         self._count_hits(req, m)
         return True
 
@@ -417,6 +436,8 @@ class Engine:
         c.block_refs += len(req.trace.hash_ids)
         c.block_hits += sum(1 for end in block_ends(req.trace, self.cfg.page_size) if end <= hit_tokens)
         c.queue_wait_s.append(req.admitted_s - req.trace.arrival_s * self.cfg.time_scale)
+        c.service_s += req.service_s
+        c.no_cache_s += req.trace.input_len / self.cfg.prefill_tokens_per_s
         if req.skips:
             c.nvme_wait_s += req.admitted_s - req.first_try_s
 
@@ -482,6 +503,7 @@ def run_scenario(
         "nvme_unready_by_cause": dict(c.unready_by_cause),
         "nvme_wait_s": {"total": c.nvme_wait_s, "per_request_ms": 1000 * c.nvme_wait_s / max(c.requests, 1)},
         "queue_wait_s": {"mean": float(waits.mean()), "p50": float(np.percentile(waits, 50)), "p99": float(np.percentile(waits, 99))},
+        **time_saved(c),
         "steps": c.steps,
         "wall_s": time.perf_counter() - start,
     }
@@ -526,6 +548,8 @@ def add_sim_config_args(p: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         if f.type == "bool":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=getattr(d, f.name))
+        elif f.type == "str":
+            p.add_argument(flag, default=getattr(d, f.name))
         else:
             kind = int if f.type == "int" else float
             p.add_argument(flag, type=lambda s, k=kind: k(float(s)), default=getattr(d, f.name))
@@ -534,35 +558,6 @@ def add_sim_config_args(p: argparse.ArgumentParser) -> None:
 def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
     """The :class:`SimConfig` of the flags :func:`add_sim_config_args` added."""
     return SimConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SimConfig)})
-
-
-def run_all(trace: Sequence[TraceRequest], cfg: SimConfig, scenarios: Sequence[tuple[str, str]], jobs: int) -> list[dict]:
-    """Run ``scenarios`` ((lowest tier, policy) pairs) on ``jobs`` processes, with one
-    tqdm bar over all simulated requests; results in the order of ``scenarios``."""
-    import multiprocessing as mp
-    import queue as queue_mod
-    from concurrent.futures import ProcessPoolExecutor
-
-    from tqdm import tqdm
-
-    if jobs <= 1:
-        with tqdm(total=len(trace) * len(scenarios), unit="req", desc=f"{len(scenarios)} scenarios", mininterval=1.0) as bar:
-            return [run_scenario(trace, cfg, tier, policy, bar.update) for tier, policy in scenarios]
-    ctx = mp.get_context("fork")
-    with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        progress_q = manager.Queue()
-        # Slowest first (look-ahead plans every step; NVMe adds I/O events) to balance the workers.
-        order = sorted(scenarios, key=lambda s: (s[1] != "lookahead", TIERS.index(s[0]) * -1))
-        futures = {s: pool.submit(run_scenario, trace, cfg, s[0], s[1], progress_q.put) for s in order}
-        with tqdm(total=len(trace) * len(scenarios), unit="req", desc=f"{len(scenarios)} scenarios", mininterval=1.0) as bar:
-            while not all(f.done() for f in futures.values()):
-                try:
-                    bar.update(progress_q.get(timeout=0.5))
-                except queue_mod.Empty:
-                    pass
-            while not progress_q.empty():
-                bar.update(progress_q.get())
-        return [futures[s].result() for s in scenarios]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -94,6 +94,7 @@ def format_sweep(summary: dict) -> str:
     pols = summary["policies"]
     head = f"{'capacity':>10}{'% uniq':>7}" + "".join(f"{p:>12}" for p in pols) + f"{'LRU blk':>9}{'Belady':>8}{'inf':>6}"
     head += "".join(f"{'ready% ' + p[:4]:>12}" for p in pols) + "".join(f"{'wait ms ' + p[:4]:>13}" for p in pols)
+    head += "".join(f"{'saved% ' + p[:4]:>12}" for p in pols)
     head += f"{'unready%':>9}{'worth%':>8}{'wall s':>7}"
     lines = [head, "-" * len(head)]
     inf = summary["infinite"]["block_hit_rate"]
@@ -104,6 +105,7 @@ def format_sweep(summary: dict) -> str:
         row += f"{_pct(p['lru_blocks']):>9}{_pct(p['belady']):>8}{_pct(inf):>6}"
         row += "".join(f"{_pct(r[q]['ready_share']):>12}" for q in pols)
         row += "".join(f"{r[q]['nvme_wait_s']['per_request_ms']:>13.1f}" for q in pols)
+        row += "".join(f"{_pct(r[q].get('time_saved', 0.0)):>12}" for q in pols)
         row += f"{100 * r[best]['nvme_unready_tokens'] / max(1, r[best]['prompt_tokens']):>9.2f}"
         worth = _worth(p)
         row += f"{'-' if worth is None else _pct(worth):>8}{max(x['wall_s'] for x in r.values()):>7.0f}"
@@ -111,7 +113,9 @@ def format_sweep(summary: dict) -> str:
     lines += [
         "columns per policy: block hit % (hiradix simulator, nvme scenario); LRU blk / Belady: one pool of DRAM+NVMe",
         "bytes over the trace's blocks (bench/sim/offline.py); ready%: hits already in HBM or DRAM at the first admission",
-        f"try; wait ms: NVMe wait per request; unready%: NVMe tokens admitted unread ({best}), of prompt tokens;",
+        f"try; wait ms: NVMe wait per request; saved%: prefill time saved vs no cache (--cost-model: reads + prefill,",
+        "load or recompute; else prefill of the misses only); unready%: NVMe tokens admitted unread "
+        f"({best}), of prompt tokens;",
         f"worth%: {summary['worth_policy']} with DRAM d + NVMe n over DRAM d+n alone; wall s: slowest scenario.",
     ]
     return "\n".join(lines)

@@ -238,7 +238,10 @@ def test_sweep_writes_its_tables_json_and_png(tmp_path, capsys):
     assert {r["target"] for r in summary["targets"]} >= {"hit >= 90% of Belady", "NVMe worth >= 95%"}
     assert (out / "sweep.png").stat().st_size > 0
     printed = capsys.readouterr().out
-    assert "Belady" in printed and "targets (predictive)" in printed
+    assert "Belady" in printed and "targets (predictive)" in printed and "saved% pred" in printed
+    for p in pts:  # no cost model: the time saved is the prefill of the hit tokens (of admitted requests)
+        r = p["results"]["lru"]
+        assert r["time_saved_s"] == pytest.approx(sum(r["hit_tokens"].values()) / SimConfig().prefill_tokens_per_s)
 
 
 def test_dram_staging_serves_from_nvme_what_cache_mode_serves_from_dram(tmp_path):
