@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from hiradix.core.policy import make_policy, policy_names
+from hiradix.core.store_reads import READ_MODES
 
 # The environment variable that carries `HiRadixConfig.to_json()` to child processes.
 ENV_VAR = "HIRADIX_CONFIG"
@@ -40,6 +41,7 @@ DRAM_MODES: tuple[str, ...] = ("cache", "staging")
 # MLA under TP: one host copy (DRAM, NVMe) per node, shared by the ranks, or one per rank.
 MLA_HOST_COPIES: tuple[str, ...] = ("node", "rank")
 STORE_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")  # see hiradix.core.store_tier
+STORE_READ_MODES: tuple[str, ...] = READ_MODES  # auto, always, never: see hiradix.core.store_reads
 
 
 class HiRadixConfigError(ValueError):
@@ -180,6 +182,11 @@ FLAGS: tuple[FlagSpec, ...] = (
     FlagSpec("store_write_policy", "store_write_policy", str, "write_through",
              "When KV is put into the store: write_through (once in DRAM) or write_back (once it left HBM).",
              choices=lambda: list(STORE_WRITE_POLICIES)),
+    FlagSpec("store_read", "store_read", str, "auto",
+             "Which store hits are read: auto (a hit is read only while reading it is faster than prefilling "
+             "it again, by this server's measured store bandwidth and prefill rate), always, or never "
+             "(recompute; the store is still written).",
+             choices=lambda: list(STORE_READ_MODES)),
     FlagSpec("mla_host_copy", "mla_host_copy", str, "node",
              "MLA model under TP (every rank holds the same latent): node = one DRAM pool and NVMe tier per "
              "attention-TP group on a node, written by its rank 0 and read by every rank ((TP-1)/TP of the host bytes "
@@ -226,6 +233,8 @@ class HiRadixConfig:
             Flag `--hiradix-store-config`.
         store_write_policy: When KV is put into the store (`hiradix.core.store_tier`).
             Flag `--hiradix-store-write-policy`.
+        store_read: Which store hits are read: "auto" (only while faster than recomputing them,
+            `hiradix.core.store_reads`), "always" or "never". Flag `--hiradix-store-read`.
         mla_host_copy: MLA under TP: "node" (one host copy the ranks of a node share,
             `hiradix.runtime.shared_host_copy`) or "rank" (one per rank). Flag `--hiradix-mla-host-copy`.
     """
@@ -242,6 +251,7 @@ class HiRadixConfig:
     store_backend: Optional[str] = None
     store_config: str = ""
     store_write_policy: str = _default("store_write_policy")
+    store_read: str = _default("store_read")
     mla_host_copy: str = _default("mla_host_copy")
 
     def __post_init__(self) -> None:
@@ -328,6 +338,8 @@ class HiRadixConfig:
                 f"{flag['store_backend']} must be one of {_store_backends()}, got {self.store_backend!r}")
         if not self.store_config:
             raise HiRadixConfigError(f"{flag['store_backend']} {self.store_backend} needs {flag['store_config']}")
+        if self.store_read not in STORE_READ_MODES:
+            raise HiRadixConfigError(f"{flag['store_read']} must be one of {list(STORE_READ_MODES)}, got {self.store_read!r}")
         if self.store_write_policy not in STORE_WRITE_POLICIES:
             raise HiRadixConfigError(f"{flag['store_write_policy']} must be one of {list(STORE_WRITE_POLICIES)}, "
                                      f"got {self.store_write_policy!r}")
@@ -363,6 +375,8 @@ class HiRadixConfig:
                 f"{FLAG_BY_NAME['lookahead_window'].flag} applies only to {FLAG_BY_NAME['policy'].flag} "
                 f"{queue_aware}, but {FLAG_BY_NAME['policy'].flag} is {policy}"
             )
+        if values.get("store_read") is not None and values.get("store") is None:
+            raise HiRadixConfigError(f"{FLAG_BY_NAME['store_read'].flag} applies only with {FLAG_BY_NAME['store'].flag}")
         if values.get("dram_ratio") is not None:
             if values.get("dram_gb") is not None:
                 raise HiRadixConfigError(
@@ -406,7 +420,8 @@ class HiRadixConfig:
         nvme = f"{self.nvme_path} ({self.nvme_bytes} bytes)" if self.has_nvme_tier else "off"
         dram = f"dram_ratio={self.dram_ratio:g}" if self.dram_ratio else f"dram_bytes={self.dram_bytes}"
         window = f", lookahead_window={self.lookahead_window}" if make_policy(self.policy).uses_queue else ""
-        store = f"{self.store_backend} ({self.store_write_policy})" if self.has_store_tier else "off"
+        store = (f"{self.store_backend} ({self.store_write_policy}, read {self.store_read})"
+                 if self.has_store_tier else "off")
         return (
             f"policy={self.policy}{window}, write_policy={self.write_policy}, "
             f"{dram}, dram_mode={self.dram_mode}, nvme={nvme}, store={store}, "

@@ -40,6 +40,7 @@ from hiradix.core import returns
 from hiradix.core.ports import (ABORTED, FAILED, OK, READ_AT_ADMISSION, READ_BACKGROUND, READ_QUEUED, HostMover,
                                 IOClient, NvmeJournal, RankAgreement, SingleRank)
 from hiradix.core.stats import TierStats
+from hiradix.core.store_reads import StoreReadChoice
 from hiradix.core.store_tier import STORE_RETRY_S, StoreTier
 from hiradix.core.tree import TieredRadixTree
 
@@ -71,11 +72,15 @@ def outcome_of(result: Any) -> int:
 LOOKUP_FAILED = 1  # a store lookup's agreement value when it failed as a whole (0 is NOT_DONE)
 
 
-def found_of(result: Any) -> int:
+def found_of(result: Any, read_pages: Optional[Callable[[int], int]] = None) -> int:
     """A store lookup's result as an agreement value: 2 + the leading run of keys found (MIN
     over ranks is the run every rank holds); ``LOOKUP_FAILED`` when the job failed as a whole,
     so a failure on any rank is every rank's (the store's failure count, hence its switch-off,
-    stays the same on all ranks: a TP rank that maps rank 0's MLA copy never sees an error)."""
+    stays the same on all ranks: a TP rank that maps rank 0's MLA copy never sees an error).
+
+    ``read_pages`` (found pages -> pages worth reading, this rank's load-or-recompute choice)
+    shortens the run first: the MIN over ranks is then a read every rank agrees to, so ranks
+    whose estimates differ never split their books."""
     if result.error:
         return LOOKUP_FAILED
     found = 0
@@ -83,7 +88,7 @@ def found_of(result: Any) -> int:
         if not ok:
             break
         found += 1
-    return 2 + found
+    return 2 + (read_pages(found) if read_pages is not None and found else found)
 
 
 class TierController:
@@ -109,6 +114,8 @@ class TierController:
             simulator): back up only nodes hit again (at insert or at the hit); a node never hit
             leaves HBM without a copy. Not a server flag: it loses the chat histories this
             cache exists for (bench/RESULTS.md, "Selective write-through").
+        store_read: ``--hiradix-store-read`` (:mod:`hiradix.core.store_reads`): ``auto`` reads
+            a store hit only while faster than recomputing it (measured here), ``always``, ``never``.
     """
 
     def __init__(
@@ -128,6 +135,7 @@ class TierController:
         store_retry_s: float = STORE_RETRY_S,
         dram_staging: bool = False,
         write_selective: bool = False,
+        store_read: str = "always",
     ):
         self.tree = tree
         self.books = books
@@ -165,8 +173,10 @@ class TierController:
         self.store: Optional[StoreTier] = None
         if store_key_prefix is not None:
             assert client is not None, "the store's jobs run in the I/O worker"
+            reads = StoreReadChoice(store_read, page_bytes / tree.page_size, tree.page_size)
             self.store = StoreTier(tree, books, self.placement, client, store_key_prefix, store_write_policy, clock,
-                                   retry_s=store_retry_s)
+                                   retry_s=store_retry_s, reads=reads)
+        self._lookup_found: dict[int, int] = {}  # lookup op id -> pages this rank found (before the choice)
 
     def on_close(self, release: Callable[[], None]) -> None:
         """Call ``release`` when the controller closes (resources the assembly made)."""
@@ -314,7 +324,8 @@ class TierController:
             return 0
         free = max(0, self.books.dram.num_free - self.placement.dram_free_low_pages)
         started = 0
-        for src, on in ((Tier.NVME, self.books.nvme_enabled), (Tier.STORE, self.store_enabled)):
+        store_on = self.store_enabled and self.store.reads.reads_store
+        for src, on in ((Tier.NVME, self.books.nvme_enabled), (Tier.STORE, store_on)):
             for tail in returns.plan(self.tree, key, free, budget, src, worth) if on and budget > 0 else ():
                 pages = sum(n.num_tokens for n in tail) // self.tree.page_size
                 if budget > 0 and self.prefetch(tail, timeout_s, src=src, background=True):
@@ -341,6 +352,28 @@ class TierController:
         if lookup.op_id not in self._prefetch_deadline_s:
             self._prefetch_deadline_s[lookup.op_id] = None if ahead else self.clock() + timeout_s
         return True
+
+    def _choose_read(self, op_id: int, found_pages: int) -> int:
+        """This rank's load-or-recompute choice for a lookup that found ``found_pages`` (agreed
+        by MIN over the ranks with the lookup's value, :func:`found_of`)."""
+        self._lookup_found[op_id] = found_pages
+        return self.store.reads.pages_to_read(found_pages)
+
+    def store_read_worth(self, tokens: int) -> bool:
+        """Whether a store-only run of ``tokens`` the tree already holds (a match's store part)
+        is worth reading: ``never`` no; ``auto`` by this rank's estimates, with one rank only
+        (the estimates differ between ranks, and this choice is not agreed: under TP it reads)."""
+        if self.store is None:
+            return True
+        reads = self.store.reads
+        if reads.mode == "auto" and self.sync.size > 1:
+            return True
+        return reads.worth_pages(tokens // self.tree.page_size) > 0
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        """An extend batch prefilled ``tokens`` in ``seconds`` (the load-or-recompute estimate)."""
+        if self.store is not None:
+            self.store.reads.note_prefill(tokens, seconds)
 
     def lookup_pending(self, m: TreeMatch, tokens: Any, namespace: Optional[tuple], timeout_s: float) -> bool:
         """Whether a store lookup for the pages after ``m`` (a peek) is in flight and within its timeout."""
@@ -413,7 +446,10 @@ class TierController:
             alive = self.client.check_alive()
             lookups = self.store.lookups if self.store is not None else {}
             for result in self.client.poll():
-                self._local_done[result.job_id] = found_of(result) if result.job_id in lookups else outcome_of(result)
+                if result.job_id in lookups:
+                    self._local_done[result.job_id] = found_of(result, lambda n, i=result.job_id: self._choose_read(i, n))
+                else:
+                    self._local_done[result.job_id] = outcome_of(result)
                 self._results[result.job_id] = result
         lookups = self.store.lookups if self.store is not None else {}
         pending = sorted(self.books.pending_ids() + list(lookups) + list(self._unread))
@@ -468,6 +504,8 @@ class TierController:
             self.stats.prefetch_tokens["completed"] += ok_pages * self.tree.page_size
             self.stats.prefetch_tokens["failed"] += (pages - ok_pages) * self.tree.page_size
         if self.store is not None:
+            if op.kind == Kind.GET and ok_pages and result is not None:
+                self.store.reads.note_get(ok_pages * self.page_bytes, getattr(result, "duration_s", 0.0))
             if op.kind in (Kind.PUT, Kind.GET):
                 missed = [k for k, f in zip(op.src_ids, flags if isinstance(flags, list) else [flags] * pages)
                           if not f] if op.kind == Kind.GET and outcome != ABORTED else []
@@ -484,7 +522,8 @@ class TierController:
         expired = op_id in self._expired
         self._expired.discard(op_id)
         self.store.note_job(None, 0, 0, aborted=value == LOOKUP_FAILED)
-        node = self.store.finish_lookup(op_id, max(0, value - 2))
+        read = max(0, value - 2)
+        node = self.store.finish_lookup(op_id, max(read, self._lookup_found.pop(op_id, 0)), read_pages=read)
         if node is not None:
             ahead = deadline_s is None or expired
             self.prefetch([node], 0.0, ahead=ahead, src=Tier.STORE, deadline_s=None if ahead else deadline_s)

@@ -113,7 +113,7 @@ class TieredPrefixCache:
             self.tiers.books.release(dram, Tier.DRAM)
 
     def _start_store_reads(self, m: TreeMatch, tokens: Key, namespace: Namespace, ahead: bool) -> None:
-        if m.store_len:
+        if m.store_len and self.tiers.store_read_worth(m.store_len):  # else: recomputed (load or recompute)
             self.tiers.prefetch(m.stage(Tier.STORE), self.load_timeout_s, ahead=ahead, src=Tier.STORE)
         if m.matched_len == m.cached_len:  # the tree knows nothing more: ask the store what follows
             self.tiers.lookup(m, tokens, namespace, self.load_timeout_s, ahead=ahead)
@@ -133,7 +133,7 @@ class TieredPrefixCache:
         m = self.tree.match(tokens, namespace, split=False, touch=False)
         wait = False
         for tier in (Tier.NVME, Tier.STORE):
-            if m.length(tier):
+            if m.length(tier) and (tier == Tier.NVME or tiers.store_read_worth(m.length(tier))):
                 stage = m.stage(tier)
                 wait |= tiers.prefetch_pending(stage, self.load_timeout_s) or tiers.unread_pending(stage, self.load_timeout_s)
         wait |= tiers.lookup_pending(m, tokens, namespace, self.load_timeout_s)

@@ -13,6 +13,10 @@ may drop an object at any time, so a store copy is confirmed only by a GET that 
   the last matched node and is fetched into DRAM (GET) before admission. A lookup started at
   admission makes the request wait, up to the load timeout; the look-ahead window starts them
   earlier for queued requests.
+* Load or recompute (:mod:`hiradix.core.store_reads`, ``--hiradix-store-read``): of the run a
+  lookup found, only the leading pages worth reading (faster than prefilling them, by this
+  server's measured store bandwidth and prefill rate) become the child; the rest is recomputed
+  as a miss (counted as ``skipped_slow``). ``never`` makes no lookups at all.
 * Failures: a failed PUT is dropped (counted); a failed GET is a miss (the ledger forgets that
   store copy). ``STORE_FAILURES_IN_ROW`` failed store jobs of one direction in a row (PUTs; GETs and lookups
   that failed as a whole) switch the tier off, with
@@ -37,6 +41,7 @@ from hiradix.core.ledger import Kind, TierBooks
 from hiradix.core.node import Tier, TreeMatch, TreeNode
 from hiradix.core.placement import Placement
 from hiradix.core.ports import IOClient
+from hiradix.core.store_reads import StoreReadChoice
 from hiradix.core.tree import TieredRadixTree
 
 logger = logging.getLogger(__name__)
@@ -80,19 +85,22 @@ class StoreTier:
         write_policy: ``write_through`` or ``write_back`` (see the module docstring).
         clock: monotonic seconds.
         retry_s: first wait before a switched-off store is tried again (``STORE_RETRY_S``).
+        reads: how much of a store hit to read (default: always read, nothing measured).
 
     Raises:
         ValueError: unknown ``write_policy``.
     """
 
     def __init__(self, tree: TieredRadixTree, books: TierBooks, placement: Placement, client: IOClient,
-                 key_prefix: str, write_policy: str, clock: Callable[[], float], retry_s: float = STORE_RETRY_S):
+                 key_prefix: str, write_policy: str, clock: Callable[[], float], retry_s: float = STORE_RETRY_S,
+                 reads: Optional[StoreReadChoice] = None):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"store write policy must be one of {list(WRITE_POLICIES)}, got {write_policy!r}")
         self.tree, self.books, self.placement, self.client = tree, books, placement, client
         self.key_prefix = key_prefix
         self.write_back = write_policy == "write_back"
         self.clock = clock
+        self.reads = reads if reads is not None else StoreReadChoice("always", 1.0, tree.page_size)
         self.lookups: dict[int, Lookup] = {}  # op id -> lookup in flight
         self._by_hash: dict[bytes, Lookup] = {}  # first page hash -> lookup in flight
         self._to_put: dict[int, TreeNode] = {}  # node id -> node to share (insertion order)
@@ -163,7 +171,7 @@ class StoreTier:
     def lookup(self, m: TreeMatch, tokens: Sequence[int], namespace: Optional[tuple]) -> Optional[Lookup]:
         """Ask the store for the pages after a local match (split at its end); returns the lookup
         in flight for them (new or already running), or None (nothing to ask, store off)."""
-        if not self.enabled:
+        if not self.enabled or not self.reads.reads_store:
             return None
         first = self.tail_hash(m, tokens, namespace)
         if first is None:
@@ -207,22 +215,24 @@ class StoreTier:
     def pending(self, first_hash: Optional[bytes]) -> Optional[Lookup]:
         return self._by_hash.get(first_hash) if first_hash is not None else None
 
-    def finish_lookup(self, op_id: int, found_pages: int) -> Optional[TreeNode]:
-        """Apply an agreed lookup result: the leading ``found_pages`` become a store-only child of
-        its parent (if the tree has not grown there meanwhile). Returns the new node, or None."""
+    def finish_lookup(self, op_id: int, found_pages: int, read_pages: Optional[int] = None) -> Optional[TreeNode]:
+        """Apply an agreed lookup result: the leading ``read_pages`` (default: all ``found_pages``;
+        fewer when the rest is not worth reading) become a store-only child of its parent (if the
+        tree has not grown there meanwhile). Returns the new node, or None."""
         lookup = self.lookups.pop(op_id, None)
         if lookup is None:
             return None
         self._by_hash.pop(lookup.first_hash, None)
         self.counts["lookup_found_pages"] += found_pages
-        if found_pages < len(lookup.keys):
-            self._hold([lookup.keys[max(0, found_pages)]])  # where the run ends: not asked again for a while
+        read_pages = found_pages if read_pages is None else min(read_pages, found_pages)
+        if read_pages < len(lookup.keys):
+            self._hold([lookup.keys[max(0, read_pages)]])  # where the run ends: not asked again for a while
         parent, ps = lookup.parent, self.tree.page_size
-        if found_pages <= 0 or not self.enabled or (parent is not self.tree.root and not parent.alive):
+        if read_pages <= 0 or not self.enabled or (parent is not self.tree.root and not parent.alive):
             return None
-        tokens = lookup.tokens[: found_pages * ps]
+        tokens = lookup.tokens[: read_pages * ps]
         try:
-            return self.tree.add_child(parent, tokens, lookup.namespace, Tier.STORE, lookup.keys[:found_pages])
+            return self.tree.add_child(parent, tokens, lookup.namespace, Tier.STORE, lookup.keys[:read_pages])
         except ValueError:
             return None  # a child for this page appeared meanwhile (inserted or found): keep it
 

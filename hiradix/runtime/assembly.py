@@ -262,7 +262,8 @@ def build_tiers(
     tiers = TierController(tree, books, mover, client, layout.page_bytes, config.write_policy == "write_through",
                            sync=RankSync(tp_group) if multi_rank else None, journal=journal,
                            store_key_prefix=key_prefix, store_write_policy=config.store_write_policy,
-                           store_retry_s=store_retry_s, dram_staging=config.dram_mode == "staging")
+                           store_retry_s=store_retry_s, dram_staging=config.dram_mode == "staging",
+                           store_read=config.store_read)
     # Host bytes this process reserves (the metrics' sglang:hiradix_reserved_bytes): 0 on a rank
     # that uses the owner's copy.
     tiers.reserved_bytes = (dram.dram_bytes, nvme_slots * slot_bytes_for(layout.page_bytes)) if owner else (0, 0)

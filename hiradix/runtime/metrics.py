@@ -28,7 +28,8 @@ from hiradix.core.stats import PREFETCH_OUTCOMES, READ_AHEAD_OUTCOMES, STORAGE_H
 TIERS = ("HBM", "DRAM", "NVMe", "store")  # label values of `tier`, fastest first (core Tier order)
 HOST_TIERS = ("DRAM", "NVMe")  # the tiers whose bytes hiradix reserves on the host
 KINDS = tuple(k.name for k in Kind)  # BACKUP, PROMOTE, DEMOTE, PREFETCH, PUT, GET
-STORE_OPS = ("lookup", "found", "put", "put_failed", "get", "get_failed")  # StoreTier.counts, in pages
+# StoreTier.counts, in pages; skipped_slow: found, but recomputed (slower to read, hiradix.core.store_reads)
+STORE_OPS = ("lookup", "found", "put", "put_failed", "get", "get_failed", "skipped_slow")
 _STORE_COUNT = {"lookup": "lookup_pages", "found": "lookup_found_pages", "put": "put_pages",
                 "put_failed": "put_failed_pages", "get": "get_pages", "get_failed": "get_failed_pages"}
 
@@ -72,6 +73,10 @@ SERIES: tuple[Series, ...] = (
     Series("sglang:hiradix_store_used_tokens_total", "counter", "Tokens read from the cluster store and promoted to HBM"),
     Series("sglang:hiradix_store_switch_offs_total", "counter", "Times the cluster store was switched off after failures"),
     Series("sglang:hiradix_store_enabled", "gauge", "1 while the cluster store is in use, 0 when absent or switched off"),
+    Series("sglang:hiradix_store_read_bytes_per_s", "gauge",
+           "Moving estimate of the cluster store's read bandwidth into DRAM (0 before a GET)"),
+    Series("sglang:hiradix_prefill_tokens_per_s", "gauge",
+           "Moving estimate of the prefill rate the load-or-recompute choice uses (0 before a batch)"),
 )  # fmt: skip
 SERIES_BY_NAME = {s.name: s for s in SERIES}
 
@@ -170,7 +175,10 @@ class TierMetrics:
     def _update_store(self, store: Optional[Any], stats: Any) -> None:
         if store is not None:
             for op in STORE_OPS:
-                self._advance("sglang:hiradix_store_pages_total", store.counts[_STORE_COUNT[op]], op)
+                count = store.reads.skipped_pages if op == "skipped_slow" else store.counts[_STORE_COUNT[op]]
+                self._advance("sglang:hiradix_store_pages_total", count, op)
+            self._set("sglang:hiradix_store_read_bytes_per_s", store.reads.read.per_s or 0.0)
+            self._set("sglang:hiradix_prefill_tokens_per_s", store.reads.prefill.per_s or 0.0)
             self._advance("sglang:hiradix_store_switch_offs_total", store.counts["switch_offs"])
         self._advance("sglang:hiradix_store_used_tokens_total", stats.store_tokens["used"])
         self._set("sglang:hiradix_store_enabled", int(store is not None and store.enabled))

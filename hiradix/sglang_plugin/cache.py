@@ -236,6 +236,11 @@ class TieredRadixCache(BasePrefixCache):
             self.tier_metrics.update(self.tiers.stats, self.tiers.books, self.tree.tier_tokens, self.core.last_view,
                                      store=self.tiers.store)
 
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        """An extend batch prefilled ``tokens`` in ``seconds`` (load or recompute's prefill rate)."""
+        if self.tiers is not None:
+            self.tiers.note_prefill(tokens, seconds)
+
     def observe_queue(self, waiting_queue: list) -> Optional[QueueView]:
         """Look-ahead over the first W waiting requests (policies that use the queue).
 

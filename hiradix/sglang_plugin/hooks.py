@@ -129,6 +129,13 @@ HOOKS: tuple[HookSpec, ...] = (
         purpose="name where a request's storage hits came from (NVMe, the cluster store) in storage_backend",
     ),
     HookSpec(
+        target="sglang.srt.managers.scheduler.Scheduler.run_batch",
+        hook="hiradix.sglang_plugin.sched_hooks:around_run_batch",
+        hook_type="around",
+        scope=Scope.SCHEDULER,
+        purpose="time extend batches: the prefill rate of the load-or-recompute choice (--hiradix-store-read)",
+    ),
+    HookSpec(
         target="sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
         hook="hiradix.sglang_plugin.sched_hooks:around_add_one_req",
         hook_type="around",

@@ -10,6 +10,7 @@ Each hook is a no-op for any other tree cache.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 
@@ -59,3 +60,20 @@ def after_get_cached_tokens_details(result: Any, streamer: Any, req: Any, *args:
     if result is None or not label:
         return None
     return {**result, "storage_backend": label}
+
+
+def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """Time an extend batch's forward for the prefill-rate estimate (``--hiradix-store-read auto``).
+
+    Measured only without the overlap scheduler (``run_batch`` then returns after the forward;
+    SGLang turns overlap off on CPU); with it, nothing is measured and ``auto`` keeps reading.
+    """
+    cache = _hiradix_cache(scheduler.tree_cache)
+    measure = (cache is not None and not getattr(scheduler, "enable_overlap", True)
+               and batch.forward_mode.is_extend() and batch.extend_num_tokens)
+    if not measure:
+        return original(scheduler, batch, *args, **kwargs)
+    start_s = time.perf_counter()
+    result = original(scheduler, batch, *args, **kwargs)
+    cache.note_prefill(int(batch.extend_num_tokens), time.perf_counter() - start_s)
+    return result

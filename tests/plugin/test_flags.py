@@ -216,6 +216,8 @@ REFUSALS = [
     # issue 14: HiCache's flags would be silently ignored; each names hiradix's equivalent.
     ("hicache-ratio", ["--hicache-ratio", "2"], ["--hicache-ratio 2.0 configures SGLang's HiCache", "--hiradix-dram-ratio"]),
     ("dram-zero", ["--hiradix-dram-gb", "0"], ["--hiradix-dram-gb must be > 0, got 0", "--hiradix-dram-mode staging"]),
+    # issue 19: load or recompute is a choice about store hits
+    ("store-read-without-store", ["--hiradix-store-read", "never"], ["--hiradix-store-read applies only with --hiradix-store"]),
 ]  # fmt: skip
 
 
@@ -715,6 +717,23 @@ def test_config_errors_name_the_flag(kwargs, message):
         HiRadixConfig.from_flags(**kwargs)
     assert str(caught.value).startswith(message), str(caught.value)
     assert isinstance(caught.value, ValueError)
+
+
+def test_store_read_flag(monkeypatch, capsys):
+    """Issue 19: --hiradix-store-read auto|always|never (default auto); a bad value stops the parser
+    (before any model loads) with a message naming the flag."""
+    store = dict(store="mooncake", store_config='{"master_server_address": "127.0.0.1:1"}')
+    assert HiRadixConfig.from_flags(**store).store_read == "auto"
+    assert HiRadixConfig.from_flags(**store, store_read="never").store_read == "never"
+    assert "read never" in HiRadixConfig.from_flags(**store, store_read="never").summary()
+    with pytest.raises(HiRadixConfigError, match=r"--hiradix-store-read must be one of \['auto', 'always', 'never'\]"):
+        HiRadixConfig(store_backend="mooncake", store_config="{}", store_read="sometimes")
+    parser = argparse.ArgumentParser()
+    flags.after_add_cli_args(None, parser)
+    with pytest.raises(SystemExit) as caught:
+        parser.parse_args(["--hiradix-store-read", "sometimes"])
+    assert caught.value.code == 2
+    assert "argument --hiradix-store-read: invalid choice: 'sometimes'" in capsys.readouterr().err
 
 
 def test_config_constructor_validates_bytes_too():

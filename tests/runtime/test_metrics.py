@@ -24,6 +24,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from hiradix.core.stats import TierStats
+from hiradix.core.store_reads import StoreReadChoice
 from hiradix.runtime.metrics import SERIES, SERIES_BY_NAME, TIERS, TierMetrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,7 +69,7 @@ def test_every_series_is_exported_from_the_start():
 
 
 def test_names_follow_sglang_conventions():
-    units = ("_tokens", "_bytes", "_requests", "_nodes", "_pages", "_transfers", "_in_flight", "_enabled", "_offs")
+    units = ("_tokens", "_bytes", "_requests", "_nodes", "_pages", "_transfers", "_in_flight", "_enabled", "_offs", "_per_s")
     for s in SERIES:
         assert re.fullmatch(r"sglang:hiradix_[a-z_]+", s.name), s.name
         assert s.name.endswith("_total") == (s.type == "counter"), s.name
@@ -105,6 +106,10 @@ def test_counters_advance_by_deltas_and_gauges_follow_the_tree():
     store = types.SimpleNamespace(enabled=True, counts={"lookup_pages": 4, "lookup_found_pages": 2, "put_pages": 3,
                                                         "put_failed_pages": 0, "get_pages": 2, "get_failed_pages": 1,
                                                         "switch_offs": 1})
+    store.reads = StoreReadChoice("auto", 1000.0, PAGE_SIZE, min_samples=1)
+    store.reads.note_get(2e6, 0.01)  # 200 MB/s
+    store.reads.note_prefill(1000, 0.1)  # 10k tokens/s: reading pays above 10 MB/s
+    store.reads.skipped_pages = 7
     stats.store_tokens["used"] = 32
     m.update(stats, books(nvme_enabled=False), [0, 0, 0, 0], None, store=store)
     got = samples(registry)
@@ -115,6 +120,9 @@ def test_counters_advance_by_deltas_and_gauges_follow_the_tree():
     assert got[("sglang:hiradix_store_used_tokens_total", ())] == 32
     assert got[("sglang:hiradix_store_switch_offs_total", ())] == 1
     assert got[("sglang:hiradix_store_enabled", ())] == 1
+    assert got[("sglang:hiradix_store_pages_total", (("op", "skipped_slow"),))] == 7
+    assert got[("sglang:hiradix_store_read_bytes_per_s", ())] == 2e8
+    assert got[("sglang:hiradix_prefill_tokens_per_s", ())] == 1e4
 
 
 def test_readme_lists_every_series():
