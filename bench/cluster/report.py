@@ -1,17 +1,21 @@
-"""Figures, table, targets, plots and files of `bench.cluster.run` (records in, report out).
+"""Figures, table, targets and files of `bench.cluster.run` (records and router counters in, report out).
 
-Per (system, routing) cell, over all its repeats (tokens summed over requests):
-    hit tokens by tier: `device` (HBM), `host` (DRAM), and the storage hits split by
-        `storage_backend` into `nvme` (hiradix's local NVMe) and `store` (the cluster store:
-        hiradix's `mooncake=N`, HiCache's `MooncakeStore`), each as a share of prompt tokens;
-    `ideal`: the hits of one infinite shared cache (`bench.cluster.run.ideal_cached_tokens`);
+Per system, over the requests of all repetitions (tokens summed over requests):
+    hit tokens by tier: `device` (HBM), `host` (DRAM) and the storage hits split by `storage_backend`
+        into `nvme` (hiradix's local NVMe) and `store` (the cluster store: hiradix's `mooncake=N`,
+        HiCache's `MooncakeStore`), each as a share of prompt tokens; `ideal`: one infinite shared cache;
     prefill tokens computed: prompt - cached;
-    TTFT of turns >= 2 (1-based; `turn_index >= 1`): median, 95% bootstrap interval (2,000
-        resamples of the requests, seeded), and the ratio of medians to stock of the same
-        routing (the A/A cell to stock sticky) with a bootstrap interval;
-    outputs token-identical to stock sticky (per request, matched by session and turn).
-Targets (issue 11; reported, not asserted): with random routing hiradix's hit tokens >= 90% of
-sticky routing's, and above HiCache + Mooncake's.
+    TTFT of turns >= 2 (1-based; `turn_index >= 1`: every turn with a history): p50 and p99 with 95%
+        percentile-bootstrap intervals (`bench.common.stats.bootstrap_ci`), and the ratio of each to the
+        reference's (`stock:cache_aware`) with a paired cluster bootstrap: whole (repeat, session)
+        groups resampled for both systems at once (requests are paired, a session's turns are not
+        independent); the A/A row is the reference's duplicate fleet;
+    requests per server: the router's `smg_worker_requests_total` over the measured rounds (warm-ups
+        go to the servers directly); imbalance = max / mean over the N servers;
+    router TTFT: p50 / p99 of the router's `smg_router_ttft_seconds` histogram (None: not exposed);
+    outputs token-identical to the reference (matched by repeat, session, turn).
+Targets (issue 19; printed, not asserted), per hiradix system under a load-only policy: hit tokens
+>= 95% of the reference's, imbalance <= 1.2, p99 TTFT of turns >= 2 below the reference's.
 """
 
 from __future__ import annotations
@@ -20,19 +24,21 @@ import dataclasses
 import json
 import math
 import re
-import statistics
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
-from bench.ab.run import identical_fraction
+from bench.ab.report import identical_fraction
 from bench.common.multiturn import write_records
-from bench.common.stats import bootstrap_ci, ratio_ci
+from bench.common.server_metrics import histogram_quantile
+from bench.common.stats import LEVEL, RESAMPLES, bootstrap_ci
 
 TIERS = ("device", "host", "nvme", "store")
-SYSTEM_COLORS = {"stock": "tab:gray", "stock-aa": "silver", "hicache": "tab:orange", "hiradix": "tab:blue"}
-TARGET_RANDOM_OF_STICKY = 0.90
+QUANTILES = {"p50": 0.50, "p99": 0.99}
+TARGET_HITS_OF_REFERENCE = 0.95
+TARGET_IMBALANCE = 1.2
+LOAD_ONLY = ("round_robin", "power_of_two", "least_load", "random")
 _PAIR = re.compile(r"\s*([A-Za-z0-9_.-]+)\s*=\s*(\d+)\s*$")
 
 
@@ -57,186 +63,181 @@ def split_storage(storage_tokens: Optional[int], label: Optional[str]) -> tuple[
     return 0, storage_tokens
 
 
-def _later_ttfts(records) -> list[float]:
-    return [r.ttft_s for r in records if r.ok and r.turn_index >= 1 and r.ttft_s is not None]
+def later_ttfts(records) -> dict:
+    """(repeat, session, turn) -> TTFT (s) of the ok requests of turns >= 2 (1-based)."""
+    return {(r.repeat, r.session_index, r.turn_index): r.ttft_s for r in records
+            if r.ok and r.turn_index >= 1 and r.ttft_s is not None}  # fmt: skip
 
 
-def _sum(records, field: str) -> int:
-    return sum(getattr(r, field) or 0 for r in records)
+def paired_quantile_ratio(a: dict, b: dict, q: float, resamples: int = RESAMPLES, level: float = LEVEL,
+                          seed: int = 0) -> tuple[float, float, float]:
+    """quantile_q(a) / quantile_q(b) over the keys both have, and its interval: whole (repeat, session)
+    groups (`key[:2]`) resampled for both sides at once. NaNs without common keys."""
+    keys = sorted(set(a) & set(b))
+    if not keys:
+        return math.nan, math.nan, math.nan
+    groups: dict = {}
+    for k in keys:
+        groups.setdefault(k[:2], []).append(k)
+    blocks = [(np.array([a[k] for k in ks]), np.array([b[k] for k in ks])) for ks in groups.values()]
+    va, vb = np.concatenate([x for x, _ in blocks]), np.concatenate([y for _, y in blocks])
+    point = float(np.quantile(va, q) / np.quantile(vb, q))
+    rng = np.random.default_rng(seed)
+    stats = []
+    for row in rng.integers(0, len(blocks), size=(resamples, len(blocks))):
+        xa = np.concatenate([blocks[i][0] for i in row])
+        xb = np.concatenate([blocks[i][1] for i in row])
+        stats.append(np.quantile(xa, q) / np.quantile(xb, q))
+    tail = (1.0 - level) / 2 * 100
+    return point, float(np.percentile(stats, tail)), float(np.percentile(stats, 100 - tail))
 
 
-def cell_summary(system: str, routing: str, runs: Sequence, baseline_by_repeat: dict, stock_ttfts: list[float]) -> dict:
-    """Figures of one (system, routing) over its runs (`bench.cluster.run.CellRun`s)."""
-    records = [r for run in runs for r in run.records]
+def _sum(records, name: str) -> int:
+    return sum(getattr(r, name) or 0 for r in records)
+
+
+def _quantile_ci(values: Sequence[float], q: float) -> tuple[float, float, float]:
+    if not values:
+        return math.nan, math.nan, math.nan
+    lo, hi = bootstrap_ci(values, statistic=lambda x, axis: np.quantile(x, q, axis=axis))
+    return float(np.quantile(values, q)), lo, hi
+
+
+def server_counts(results: Sequence, name: str, urls: Sequence[str]) -> list[float]:
+    """Requests the router sent to each of `urls` (in that order), summed over the repetitions."""
+    return [sum(res.router[name].requests.get(u, 0.0) for res in results) for u in urls]
+
+
+def router_ttft(results: Sequence, name: str) -> dict:
+    """p50 / p99 of the router's TTFT histogram over the repetitions (None when the router lacks it)."""
+    snaps = [res.router[name] for res in results]
+    if not any(s.ttft_available for s in snaps):
+        return {"available": False, "p50": None, "p99": None, "count": 0}
+    buckets: dict = {}
+    for s in snaps:
+        for le, n in s.ttft_buckets.items():
+            buckets[le] = buckets.get(le, 0.0) + n
+    count = max(buckets.values()) if buckets else 0
+    return {"available": True, "count": count, **{k: histogram_quantile(buckets, q) for k, q in QUANTILES.items()}}
+
+
+def system_summary(name: str, results: Sequence, urls: Sequence[str], reference: Sequence) -> dict:
+    """Figures of one system (see the module docstring); `reference`: the reference system's records."""
+    records = [r for res in results for r in res.records if r.system == name]
     ok = [r for r in records if r.ok]
-    prompt = _sum(ok, "prompt_tokens")
-    cached = _sum(ok, "cached_tokens")
+    prompt, cached = _sum(ok, "prompt_tokens"), _sum(ok, "cached_tokens")
     tiers = {"device": _sum(ok, "cached_device_tokens"), "host": _sum(ok, "cached_host_tokens"),
              "nvme": _sum(ok, "cached_nvme_tokens"), "store": _sum(ok, "cached_store_tokens")}  # fmt: skip
-    ideal = _sum(ok, "ideal_cached_tokens")
-    ttfts = _later_ttfts(records)
-    ratio, ratio_lo, ratio_hi = ratio_ci(ttfts, stock_ttfts)
-    lo, hi = bootstrap_ci(ttfts)
-    same = compared = 0
-    for run in runs:
-        base = baseline_by_repeat.get(run.cell.repeat) or next(iter(baseline_by_repeat.values()), None)
-        if base is not None:
-            s, c = identical_fraction(base, run.records)
-            same, compared = same + s, compared + c
     share = (lambda n: n / prompt) if prompt else (lambda n: math.nan)
+    mine, ref = later_ttfts(records), later_ttfts(reference)
+    ttft = {}
+    for k, q in QUANTILES.items():
+        point, lo, hi = _quantile_ci(list(mine.values()), q)
+        ratio = paired_quantile_ratio(mine, ref, q)
+        ttft[k] = {"s": point, "ci_s": [lo, hi], "ratio": ratio[0], "ratio_ci": [ratio[1], ratio[2]]}
+    counts = server_counts(results, name, urls)
+    mean = sum(counts) / len(counts) if counts else math.nan
+    same, compared = identical_fraction(reference, records)
+    ideal = _sum(ok, "ideal_cached_tokens")
     return {
-        "system": system, "routing": routing, "repeats": len(runs), "requests": len(records),
-        "errors": len(records) - len(ok), "prompt_tokens": prompt, "cached_tokens": cached,
-        "tier_tokens": tiers, "ideal_cached_tokens": ideal,
-        "hit_share": share(cached), "tier_share": {t: share(n) for t, n in tiers.items()},
-        "ideal_share": share(ideal), "hit_of_ideal": cached / ideal if ideal else math.nan,
-        "prefill_tokens": prompt - cached,
-        "ttft_n": len(ttfts), "ttft_median_s": statistics.median(ttfts) if ttfts else math.nan,
-        "ttft_ci_s": [lo, hi], "ttft_ratio_to_stock": ratio, "ttft_ratio_ci": [ratio_lo, ratio_hi],
-        "identical_to_stock_sticky": [same, compared],
-        "startup_s": [s for run in runs for s in run.startup_s], "workload_s": sum(run.workload_s for run in runs),
-        "store_keys": [run.store_keys for run in runs],
+        "system": name, "requests": len(records), "errors": len(records) - len(ok), "prompt_tokens": prompt,
+        "cached_tokens": cached, "tier_tokens": tiers, "hit_share": share(cached),
+        "tier_share": {t: share(n) for t, n in tiers.items()}, "ideal_cached_tokens": ideal,
+        "ideal_share": share(ideal), "prefill_tokens": prompt - cached, "ttft_later_n": len(mine),
+        "ttft_later": ttft, "server_requests": counts, "routed_requests": sum(counts),
+        "imbalance": max(counts) / mean if counts and mean > 0 else math.nan,
+        "router_ttft": router_ttft(results, name), "identical_to_reference": [same, compared],
+        "workload_s": sum(res.workload_s for res in results),
     }  # fmt: skip
 
 
-def build_report(runs: Sequence) -> dict:
-    """Cells (in system, routing order of first appearance) and targets of a run."""
-    keys: list[tuple[str, str]] = []
-    for run in runs:
-        if (run.cell.system, run.cell.routing) not in keys:
-            keys.append((run.cell.system, run.cell.routing))
-    by_key = {k: [run for run in runs if (run.cell.system, run.cell.routing) == k] for k in keys}
-    baseline = {run.cell.repeat: run.records for run in by_key.get(("stock", "sticky"), [])}
-
-    def stock_ttfts(system: str, routing: str) -> list[float]:
-        ref = ("stock", "sticky") if system == "stock-aa" else ("stock", routing)
-        return _later_ttfts([r for run in by_key.get(ref, []) for r in run.records])
-
-    order = {"stock-aa": -1, "stock": 0, "hicache": 1, "hiradix": 2}
-    routing_order = {"round-robin": 0, "random": 1, "sticky": 2}
-    keys.sort(key=lambda k: (routing_order.get(k[1], 9), order.get(k[0], 9)))
-    cells = [cell_summary(s, r, by_key[(s, r)], baseline, stock_ttfts(s, r)) for s, r in keys]
-    return {"cells": cells, "targets": evaluate_targets(cells)}
+def build_report(results: Sequence, names: Sequence[str], worker_urls: dict) -> dict:
+    """Per system (in `names` order) and the targets; the reference is `stock:cache_aware` if run, else the first."""
+    reference = "stock:cache_aware" if "stock:cache_aware" in names else names[0]
+    ref_records = [r for res in results for r in res.records if r.system == reference]
+    systems = [system_summary(n, results, worker_urls[n], ref_records) for n in names]
+    return {"reference": reference, "systems": systems, "targets": evaluate_targets(systems, reference)}
 
 
-def evaluate_targets(cells: Sequence[dict]) -> list[dict]:
-    """The issue's two targets where the run has the cells for them (met: True/False)."""
-    by = {(c["system"], c["routing"]): c for c in cells}
+def evaluate_targets(systems: Sequence[dict], reference: str) -> list[dict]:
+    """The issue's targets for every hiradix system under a load-only policy (met: True/False)."""
+    by = {s["system"]: s for s in systems}
+    ref = by.get(reference)
     out = []
-    rand, sticky, hicache = by.get(("hiradix", "random")), by.get(("hiradix", "sticky")), by.get(("hicache", "random"))
-    if rand and sticky:
-        ratio = rand["cached_tokens"] / sticky["cached_tokens"] if sticky["cached_tokens"] else math.nan
-        out.append({"target": f"hiradix hit tokens, random >= {TARGET_RANDOM_OF_STICKY:.0%} of sticky",
-                    "measured": f"{rand['cached_tokens']} / {sticky['cached_tokens']} = {ratio:.3f}",
-                    "value": ratio, "met": bool(ratio >= TARGET_RANDOM_OF_STICKY)})  # fmt: skip
-    if rand and hicache:
-        out.append({"target": "hiradix hit tokens > HiCache + Mooncake's, random routing",
-                    "measured": f"{rand['cached_tokens']} vs {hicache['cached_tokens']}",
-                    "value": rand["cached_tokens"] - hicache["cached_tokens"],
-                    "met": bool(rand["cached_tokens"] > hicache["cached_tokens"])})  # fmt: skip
+    for s in systems:
+        kind, _, policy = s["system"].partition(":")
+        if kind != "hiradix" or policy not in LOAD_ONLY or ref is None:
+            continue
+        hits = s["cached_tokens"] / ref["cached_tokens"] if ref["cached_tokens"] else math.nan
+        out.append({"system": s["system"], "target": f"hit tokens >= {TARGET_HITS_OF_REFERENCE:.0%} of {reference}'s",
+                    "measured": f"{s['cached_tokens']} / {ref['cached_tokens']} = {hits:.3f}", "value": hits,
+                    "met": bool(hits >= TARGET_HITS_OF_REFERENCE)})  # fmt: skip
+        out.append({"system": s["system"], "target": f"imbalance (max/mean requests per server) <= {TARGET_IMBALANCE}",
+                    "measured": f"{s['imbalance']:.2f} ({'/'.join(f'{c:.0f}' for c in s['server_requests'])}; "
+                                f"{reference}: {ref['imbalance']:.2f})",
+                    "value": s["imbalance"], "met": bool(s["imbalance"] <= TARGET_IMBALANCE)})  # fmt: skip
+        p99, rp99 = s["ttft_later"]["p99"], ref["ttft_later"]["p99"]
+        out.append({"system": s["system"], "target": f"p99 TTFT turns >= 2 below {reference}'s",
+                    "measured": f"{p99['s'] * 1e3:.0f} vs {rp99['s'] * 1e3:.0f} ms, ratio {p99['ratio']:.2f} "
+                                f"[{p99['ratio_ci'][0]:.2f}, {p99['ratio_ci'][1]:.2f}]",
+                    "value": p99["ratio"], "met": bool(p99["s"] < rp99["s"])})  # fmt: skip
     return out
 
 
 def _pct(x: float) -> str:
-    return "    -" if math.isnan(x) else f"{100 * x:5.1f}"
+    return "    -" if x is None or math.isnan(x) else f"{100 * x:5.1f}"
+
+
+def _ms(d: dict) -> str:
+    return "-" if math.isnan(d["s"]) else f"{d['s'] * 1e3:.0f} [{d['ci_s'][0] * 1e3:.0f}-{d['ci_s'][1] * 1e3:.0f}]"
+
+
+def _ratio(d: dict) -> str:
+    return "-" if math.isnan(d["ratio"]) else f"{d['ratio']:.2f} [{d['ratio_ci'][0]:.2f}-{d['ratio_ci'][1]:.2f}]"
+
+
+def _router_ms(rt: dict) -> str:
+    if not rt["available"]:
+        return "n/a"
+    return f"{rt['p50'] * 1e3:.0f}/{rt['p99'] * 1e3:.0f}"
 
 
 def format_report(report: dict) -> str:
-    """The table printed at the end of a run, then the targets."""
-    head = (f"{'system':<9} {'routing':<11} {'req':>4} {'hit%':>5} {'ideal%':>6} {'dev%':>5} {'host%':>5} "
-            f"{'nvme%':>5} {'store%':>6} {'prefill_tok':>11} {'ttft_ms turns>=2 [95% CI]':>27} "
-            f"{'/stock [95% CI]':>19} {'identical':>9}")  # fmt: skip
+    """The per-system table printed at the end of a run, then the targets."""
+    head = (f"{'system':<22} {'req':>4} {'hit%':>5} {'ideal%':>6} {'HBM%':>5} {'DRAM%':>5} {'store%':>6} "
+            f"{'prefill':>7} {'p50 ms t>=2 [CI]':>17} {'p99 ms t>=2 [CI]':>18} {'p50/ref [CI]':>17} "
+            f"{'p99/ref [CI]':>17} {'per server':>12} {'imb':>4} {'router p50/p99':>14} {'same':>7}")  # fmt: skip
     lines = [head, "-" * len(head)]
-    for c in report["cells"]:
-        ms = c["ttft_median_s"] * 1e3
-        lo, hi = (v * 1e3 for v in c["ttft_ci_s"])
-        ratio = c["ttft_ratio_to_stock"]
-        rlo, rhi = c["ttft_ratio_ci"]
-        same, compared = c["identical_to_stock_sticky"]
-        ttft = f"{ms:7.0f} [{lo:6.0f}-{hi:6.0f}]" if not math.isnan(ms) else "-"
-        rel = f"{ratio:5.2f} [{rlo:4.2f}-{rhi:4.2f}]" if not math.isnan(ratio) else "-"
-        share = c["tier_share"]
-        lines.append(f"{c['system']:<9} {c['routing']:<11} {c['requests']:>4} {_pct(c['hit_share'])} "
-                     f"{_pct(c['ideal_share']):>6} {_pct(share['device'])} {_pct(share['host'])} "
-                     f"{_pct(share['nvme'])} {_pct(share['store']):>6} {c['prefill_tokens']:>11} {ttft:>27} "
-                     f"{rel:>19} {f'{same}/{compared}':>9}")  # fmt: skip
-    lines.append("hit% = cached / prompt tokens (all turns); ideal% = one infinite cache shared by both servers; "
-                 "dev/host/nvme/store = where the hits came from; prefill_tok = prompt - cached tokens; "
-                 "/stock = TTFT ratio of medians to stock with the same routing (stock-aa: to stock sticky, the A/A); "
-                 "identical = greedy outputs token-identical to stock sticky")  # fmt: skip
-    errors = sum(c["errors"] for c in report["cells"])
+    for s in report["systems"]:
+        t, share = s["ttft_later"], s["tier_share"]
+        per = "/".join(f"{c:.0f}" for c in s["server_requests"])
+        same = "{}/{}".format(*s["identical_to_reference"])
+        lines.append(f"{s['system']:<22} {s['requests']:>4} {_pct(s['hit_share'])} {_pct(s['ideal_share']):>6} "
+                     f"{_pct(share['device'])} {_pct(share['host'])} {_pct(share['store'] + share['nvme']):>6} "
+                     f"{s['prefill_tokens']:>7} {_ms(t['p50']):>17} {_ms(t['p99']):>18} {_ratio(t['p50']):>17} "
+                     f"{_ratio(t['p99']):>17} {per:>12} {s['imbalance']:>4.2f} {_router_ms(s['router_ttft']):>14} "
+                     f"{same:>7}")  # fmt: skip
+    lines.append(f"hit% = cached / prompt tokens (all turns); ideal% = one infinite cache shared by all servers; "
+                 f"HBM/DRAM/store = where the hits came from; prefill = prompt - cached tokens; t>=2 = turns with a "
+                 f"history; /ref = ratio of that quantile to {report['reference']}'s (paired session bootstrap); "
+                 "per server / imb = the router's requests per worker and max/mean; router = smg_router_ttft_seconds "
+                 "p50/p99 ms (n/a: not exposed); same = outputs token-identical to the reference")  # fmt: skip
+    if not any(s["router_ttft"]["available"] for s in report["systems"]):
+        lines.append("router TTFT: smg exposed no smg_router_ttft_seconds samples for these (streaming chat) requests")
+    errors = sum(s["errors"] for s in report["systems"])
     if errors:
         lines.append(f"FAILED REQUESTS: {errors} (see records.json)")
     for t in report["targets"]:
-        lines.append(f"target: {t['target']}: {t['measured']} -> {'MET' if t['met'] else 'MISSED'}")
+        lines.append(f"target [{t['system']}]: {t['target']}: {t['measured']} -> {'MET' if t['met'] else 'MISSED'}")
     return "\n".join(lines)
 
 
-def _label(c: dict) -> str:
-    return f"{c['system']}\n{c['routing']}"
+def write_outputs(results: Sequence, report: dict, run_dir: Path, config: dict) -> None:
+    """records.json/.csv (every request), summary.json, config.json and the PNGs."""
+    from bench.cluster import plots
 
-
-def plot_hits(report: dict, png_path: Path) -> None:
-    """PNG: hit share by tier (stacked) with the ideal marked, and prefill tokens, per cell."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cells = report["cells"]
-    x = np.arange(len(cells))
-    fig, (ax_hit, ax_prefill) = plt.subplots(1, 2, figsize=(max(10, 1.6 * len(cells)), 4.5))
-    bottom = np.zeros(len(cells))
-    for tier in TIERS:
-        vals = np.array([100 * c["tier_share"][tier] for c in cells])
-        ax_hit.bar(x, vals, bottom=bottom, label=tier)
-        bottom += vals
-    ax_hit.scatter(x, [100 * c["ideal_share"] for c in cells], marker="_", s=600, color="black", label="ideal", zorder=3)
-    ax_hit.set(ylabel="hit tokens, % of prompt tokens", title="Prefix-cache hits by tier (2 servers)")
-    ax_prefill.bar(x, [c["prefill_tokens"] for c in cells], color="tab:gray")
-    ax_prefill.set(ylabel="prefill tokens computed (prompt - cached)", title="Prefill work left")
-    for ax in (ax_hit, ax_prefill):
-        ax.set_xticks(x, [_label(c) for c in cells], fontsize=7)
-        ax.grid(alpha=0.3, axis="y")
-    ax_hit.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
-
-
-def plot_ttft(report: dict, png_path: Path) -> None:
-    """PNG: median TTFT of turns >= 2 with 95% intervals, and its ratio to stock, per cell."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cells = report["cells"]
-    x = np.arange(len(cells))
-    fig, (ax_ttft, ax_ratio) = plt.subplots(1, 2, figsize=(max(10, 1.6 * len(cells)), 4.5))
-    panels = ((ax_ttft, "ttft_median_s", "ttft_ci_s", 1e3, "median TTFT, turns >= 2 (ms)"),
-              (ax_ratio, "ttft_ratio_to_stock", "ttft_ratio_ci", 1.0, "TTFT / stock, same routing"))
-    for ax, key, ci_key, scale, title in panels:
-        mid = np.array([c[key] * scale for c in cells])
-        lo = np.array([c[ci_key][0] * scale for c in cells])
-        hi = np.array([c[ci_key][1] * scale for c in cells])
-        colors = [SYSTEM_COLORS.get(c["system"], "tab:purple") for c in cells]
-        ax.bar(x, mid, yerr=np.nan_to_num(np.vstack([mid - lo, hi - mid])), capsize=4, color=colors, alpha=0.85)
-        ax.set(title=title + " (whiskers: 95% bootstrap)")
-        ax.set_xticks(x, [_label(c) for c in cells], fontsize=7)
-        ax.grid(alpha=0.3, axis="y")
-    ax_ratio.axhline(1.0, color="black", linewidth=0.8)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
-
-
-def write_outputs(runs: Sequence, report: dict, run_dir: Path, config: dict) -> None:
-    """records.json/.csv (every request), summary.json, config.json and the two PNGs."""
-    write_records([r for run in runs for r in run.records], run_dir / "records.json", run_dir / "records.csv")
-    cells_run = [{**dataclasses.asdict(run.cell), "startup_s": run.startup_s, "workload_s": run.workload_s,
-                  "store_keys": run.store_keys} for run in runs]  # fmt: skip
-    (run_dir / "summary.json").write_text(json.dumps({**report, "cell_runs": cells_run}, indent=1))
+    write_records([r for res in results for r in res.records], run_dir / "records.json", run_dir / "records.csv")
+    router = [{name: dataclasses.asdict(snap) for name, snap in res.router.items()} for res in results]
+    (run_dir / "summary.json").write_text(json.dumps({**report, "router_per_repeat": router}, indent=1, default=str))
     (run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str))
-    plot_hits(report, run_dir / "cluster_hits.png")
-    plot_ttft(report, run_dir / "cluster_ttft.png")
+    plots.plot_all(report, run_dir)

@@ -1,44 +1,54 @@
-"""Cluster benchmark: N = 2 SGLang servers behind a router in the client, with and without a
-Mooncake Store they share; does a turn routed to the other server still hit?
+"""Cluster benchmark: fleets of N SGLang servers behind SGLang's own router (`smg`), with and without
+a shared Mooncake Store, paired like `bench.ab` (issue 19).
 
-Systems (every server of every system: the same model, `--max-total-tokens` (the HBM pool,
-smaller than the working set), `--page-size 16` and, where there is one, the same DRAM):
+Systems (`bench.cluster.systems`): `KIND:POLICY`, a server kind (`stock` RadixAttention, `hiradix` +
+its Mooncake Store, `hicache` = stock HiCache + its Mooncake Store) behind an `smg` router with that
+policy (`round_robin`, `cache_aware`, `power_of_two`, `least_load`, ...). Every system has its own
+fleet of `--servers` N servers (and its own store where it has one) and its own router, ALL UP AT
+ONCE for the whole run (`bench.cluster.fleet`; idle servers sleep, `--sleep-on-idle`). The A/A
+control is a second fleet of the reference system (`stock-aa:cache_aware` next to
+`stock:cache_aware`). `ideal` is computed, not run: one infinite cache shared by every server
+(`bench.cluster.workload.ideal_cached_tokens`, over the reference system's prompts). A sticky
+system (`--sticky-sessions` with a routing-key header) is not included: `bench.ab.paired` sends no
+per-session headers.
 
-    stock     stock RadixAttention: each server only has its own HBM cache (no sharing possible)
-    hicache   stock SGLang HiCache + Mooncake Store: host pool `--hicache-ratio` x the HBM pool,
-              L3 = the store (`hiradix.testing.mooncake.hicache_mooncake_args`; patch p05 on CPU)
-    hiradix   hiradix defaults + `--hiradix-store mooncake`: `--hiradix-dram-ratio` = the same bytes
-              as HiCache's host pool (`bench.ab.systems.with_tier_sizes`); no NVMe unless `--nvme-gb`
-    stock-aa  stock again, sticky only, run first: the A/A control of this run's noise
-    ideal     computed, not run: one infinite cache shared by both servers. Per request: the
-              longest prefix its prompt shares with any earlier prompt of the workload, in whole
-              pages and below its last token (token ids from the server's `/v1/tokenize`).
+Memory: one tiny-model server takes ~1.7 GB here, so a run holds at most ~12 servers; a run of more
+than `--max-servers` (default 12) servers in total is refused before anything starts. Default
+systems (12 servers): N=2 `stock:cache_aware, stock-aa:cache_aware, stock:round_robin,
+hiradix:round_robin, hiradix:cache_aware, hicache:cache_aware`; N=4 `stock:cache_aware,
+stock-aa:cache_aware, hiradix:round_robin`. `--second` runs the other policies against the same
+reference: N=2 `stock:cache_aware, stock-aa:cache_aware, hiradix:power_of_two, hiradix:least_load,
+hicache:round_robin`; N=4 `stock:cache_aware, hiradix:power_of_two, hiradix:least_load`.
 
-Routing, per turn, the same choices for every system (`route`):
+Model: `models/tiny` for N=2 and N=4 (the small model's servers do not fit 12 at once). HBM pool
+`--max-total-tokens` 2560 per server (~5 MB of KV at 2 KiB a token): a repetition's working set
+(4 hot sessions x 8 turns of up to 1,500 characters per message + 24 cold x 3 of up to 400, with 16-token
+answers: ~10-11.6k tokens on N=2 by the tiny model's tokenizer, the longest prompt ~2,000) is twice the
+fleet's HBM (5k); N=4 doubles the sessions (~22k vs 10k). So HBM churns; DRAM (hiradix, HiCache) is
+2x the pool per server, and only the store holds everything.
 
-    round-robin  turn t of session s -> server (s + t) mod N: every turn moves to the other server
-    random       a uniform choice, seeded per (seed, session, turn)
-    sticky       every turn of session s -> server s mod N: the limit (all reuse is local)
+Paired rounds (`bench.ab.paired.run_paired`, reused): the workload advances in rounds; a round's
+batch (the next turn of up to `--concurrency` ready sessions, sent concurrently) goes to each
+system's router in turn, one system at a time, in an order rotated per round (`rotation`: a Williams
+design); request (repeat, session, turn) is paired across systems. Sessions arrive as a seeded
+Poisson process (`--session-rate`), think `--think-time-s` (exponential mean) between turns, and
+each system's history carries its own answers. Workload (`bench.cluster.workload`): skewed, a few
+hot sessions with many long turns among many short cold ones; batches of 8 on N=2 (16 on N=4) so
+queues form at the servers. `--repeats` repetitions, each with sessions of its own, every server's
+cache flushed in between (the stores keep the old sessions' pages, which no later request can hit).
 
-How it is measured. Two small-model servers take ~2.5 GB each here, so the systems cannot all
-be up together on this 24 GiB machine shared with other jobs; they run one after another. Each
-(system, routing) cell gets a fresh store (a master + a holder, `MooncakeCluster`) and two fresh
-servers, so no system's or routing's objects help another. The cells run in an order rotated
-across systems and routings (and across `--repeats`), with the A/A cell first, so a drift over
-the run shows up in stock-aa vs stock. In a cell, one request is in flight at a time, turn-major
-(turn t of every session before turn t+1, so each server's HBM churns between a session's
-turns); without a queue, hiradix's store lookups happen at arrival. TTFT (turns >= 2, 1-based:
-every turn that has a history) is reported as medians with 95% bootstrap intervals over the
-requests of all repeats; ratios to stock of the same routing are ratios of those medians, with
-a bootstrap interval, to be read against the A/A ratio. Deterministic figures (tokens hit per
-tier, prefill tokens computed, token-identical outputs vs stock sticky) come next to them.
+Report (`bench.cluster.report`): per system, hit share by tier (HBM / DRAM / store), prefill tokens
+computed, TTFT of turns >= 2 (1-based: every turn with a history) p50 and p99 with bootstrap 95%
+intervals, requests per server from the router (max/mean = imbalance), the router-side TTFT, ratios
+to the reference with intervals and the A/A; then the targets (printed, not asserted).
+Outputs under `runs/cluster-<timestamp>/` (or `--out-dir`): records.json, records.csv, summary.json,
+config.json, cluster_hits.png, cluster_ttft.png, cluster_imbalance.png, and `fleets/<system>/` with
+the server, router and store logs and each server's final `/metrics`.
 
-Outputs under `runs/cluster-<timestamp>/` (or `--out-dir`): `records.json` and `records.csv`
-(every request), `summary.json` (cells, targets), `config.json`, `cluster_hits.png`,
-`cluster_ttft.png`, and per cell a directory with server and store logs and `/metrics`.
-
-    python -m bench.cluster            # full: models/small, 8 sessions x 4 turns, 10 cells
-    python -m bench.cluster --quick    # smoke run: models/tiny, 4 x 3; its TTFTs are noise
+    python -m bench.cluster --servers 2             # N=2, the default systems (12 servers)
+    python -m bench.cluster --servers 2 --second    # N=2, the other policies
+    python -m bench.cluster --servers 4             # N=4 (12 servers)
+    python -m bench.cluster --quick                 # smoke run: N=2, stock:cache_aware + hiradix:round_robin
 """
 
 from __future__ import annotations
@@ -47,325 +57,204 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
-import random
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
-
-import aiohttp
-from tqdm.auto import tqdm
 
 if __package__ in (None, ""):  # run as a file: python bench/cluster/run.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.ab import run as ab
+from bench.ab.paired import PairedConfig, PairedRecord, run_paired
+from bench.cluster import fleet as cluster_fleet
 from bench.cluster import report as cluster_report
-from bench.common.conversations import Session, load_sessions
-from bench.common.multiturn import RequestRecord, WorkloadConfig, fetch_model_id, send_chat_request
-from hiradix.testing.mooncake import MooncakeCluster, hicache_mooncake_args, hicache_mooncake_env
-from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
+from bench.cluster import workload as cluster_workload
+from bench.cluster.systems import (DEFAULT_SYSTEMS, REFERENCE, SECOND_SYSTEMS, SERVED_MODEL, FleetSystem,
+                                   check_server_budget, parse_systems)
+from bench.common.conversations import Session
+from bench.common.multiturn import WorkloadConfig
+from bench.common.server_metrics import fetch_metrics
 
 logger = logging.getLogger("bench.cluster.run")
 
-NUM_SERVERS = 2
-PAGE_TOKENS = 16
-ROUTINGS = ("round-robin", "random", "sticky")
-SYSTEMS = ("stock", "hicache", "hiradix")
-AA_SYSTEM, AA_ROUTING = "stock-aa", "sticky"
-STORE_SYSTEMS = ("hicache", "hiradix")
-
-# The HBM pool holds about two of the ~1,000-token histories of the last turns, while a server
-# sees 4 (sticky) to 8 (moving) sessions between two turns of one: its HBM churns. DRAM (2x)
-# keeps part of the rest; the store holds everything.
-FULL_DEFAULTS = {"model": "models/small", "sessions": 8, "turns": 4, "max_total_tokens": 2048,
-                 "max_message_chars": 600, "max_tokens": 8, "store_mib": 1024}
-QUICK_DEFAULTS = {"model": "models/tiny", "sessions": 4, "turns": 3, "max_total_tokens": 768,
-                  "max_message_chars": 200, "max_tokens": 8, "store_mib": 64}
-
-
-def route(routing: str, session_index: int, turn_index: int, num_servers: int, seed: int) -> int:
-    """The server (0-based) that turn `turn_index` of session `session_index` goes to.
-
-    Raises:
-        ValueError: On an unknown routing or `num_servers < 1`.
-    """
-    if num_servers < 1:
-        raise ValueError(f"num_servers must be >= 1, got {num_servers}")
-    if routing == "sticky":
-        return session_index % num_servers
-    if routing == "round-robin":
-        return (session_index + turn_index) % num_servers
-    if routing == "random":  # a str seed is hashed with SHA-512: the same choice in every process
-        return random.Random(f"{seed}:{session_index}:{turn_index}").randrange(num_servers)
-    raise ValueError(f"unknown routing {routing!r}; known: {', '.join(ROUTINGS)}")
+FULL_DEFAULTS = {"model": "models/tiny", "hot": 4, "hot_turns": 8, "hot_chars": 1500, "cold": 24, "cold_turns": 3,
+                 "cold_chars": 400, "max_tokens": 16, "concurrency": None, "session_rate": 2.0, "think_time_s": 0.5,
+                 "repeats": 2, "max_total_tokens": 2560, "store_mib": 256}  # fmt: skip
+QUICK_DEFAULTS = {"model": "models/tiny", "hot": 0, "hot_turns": 3, "hot_chars": 200, "cold": 3, "cold_turns": 3,
+                  "cold_chars": 200, "max_tokens": 8, "concurrency": 1, "session_rate": 0.0, "think_time_s": 0.0,
+                  "repeats": 1, "max_total_tokens": 1024, "store_mib": 64}  # fmt: skip
+QUICK_SYSTEMS = "stock:cache_aware,hiradix:round_robin"
 
 
 @dataclass
-class ClusterRecord(RequestRecord):
-    """A `RequestRecord` plus where the router sent it and where its hits came from (tokens)."""
+class ClusterRecord(PairedRecord):
+    """A `PairedRecord` plus the `ideal` hit of its prompt and its storage hits split by source (tokens)."""
 
-    routing: str = ""
-    repeat: int = 0
-    cell_index: int = 0  # position of its cell in the run (time order)
-    server_index: int = 0
-    ideal_cached_tokens: Optional[int] = None  # the `ideal` system's hit for this prompt
+    ideal_cached_tokens: Optional[int] = None
     cached_nvme_tokens: Optional[int] = None  # storage hits from local NVMe (hiradix)
     cached_store_tokens: Optional[int] = None  # storage hits from the cluster store
 
 
-@dataclass(frozen=True)
-class Cell:
-    """One (system, routing) run: a fresh store and fresh servers."""
-
-    index: int
-    system: str
-    routing: str
-    repeat: int
-
-    @property
-    def label(self) -> str:
-        return f"{self.index:02d}-{self.system}-{self.routing}"
-
-
-@dataclass(frozen=True)
-class BenchSettings:
-    """What every cell shares."""
-
-    model_path: Path
-    sessions: tuple[Session, ...]
-    workload: WorkloadConfig
-    max_total_tokens: int
-    dram_ratio: float
-    nvme_gb: float
-    store_bytes: int
-    seed: int
-    run_dir: Path
-    startup_timeout_s: float
-
-
 @dataclass
-class CellRun:
-    """What one cell produced."""
+class RepeatResult:
+    """One repetition: its records and, per system, the router's counters over it."""
 
-    cell: Cell
     records: list[ClusterRecord]
-    startup_s: list[float]  # per server: spawn -> /health
+    router: dict  # system name -> fleet.RouterSnapshot (delta over the repetition)
     workload_s: float
-    store_keys: Optional[int]  # objects in the cell's store at the end (None: no store)
-
-
-def plan_cells(systems: Sequence[str], routings: Sequence[str], repeats: int, aa: bool) -> list[Cell]:
-    """Cells in run order: the A/A cell first, then per repeat r, routing i (routings rotated
-    by r), the systems rotated by i + r, so no system or routing is always first or last."""
-    cells: list[Cell] = []
-    if aa:
-        cells.append(Cell(0, AA_SYSTEM, AA_ROUTING, 0))
-    for r in range(repeats):
-        for i in range(len(routings)):
-            routing = routings[(i + r) % len(routings)]
-            for j in range(len(systems)):
-                cells.append(Cell(len(cells), systems[(j + i + r) % len(systems)], routing, r))
-    return cells
-
-
-def system_launch(system: str, store: Optional[MooncakeCluster], settings: BenchSettings,
-                  cell_dir: Path, server_index: int) -> tuple[list[str], dict[str, str]]:
-    """Server flags and environment of one server of `system` (sizes as `bench.ab.run`)."""
-    args = cpu_args(settings.max_total_tokens) + ["--page-size", str(PAGE_TOKENS)]
-    env = cpu_env()
-    if system == "hicache":
-        args += hicache_mooncake_args(store.config())
-        env.update(hicache_mooncake_env(store.config()))
-    elif system == "hiradix":
-        args += ["--enable-hiradix", "--hiradix-store", "mooncake", "--hiradix-store-config", store.config_json()]
-    device_bytes = settings.max_total_tokens * ab.kv_bytes_per_token(settings.model_path)
-    sized = ab.with_tier_sizes([ab.System(f"{system}-{server_index}", tuple(args))], settings.dram_ratio,
-                               settings.nvme_gb, device_bytes, cell_dir)  # fmt: skip
-    return list(sized[0].server_args), env
-
-
-def workload_order(sessions: Sequence[Session]) -> list[tuple[int, int]]:
-    """(session_index, turn_index) pairs in send order: turn t of every session, then t + 1."""
-    turns = max(s.num_turns for s in sessions)
-    return [(s, t) for t in range(turns) for s, session in enumerate(sessions) if t < session.num_turns]
-
-
-def tokenize_prompts(base_url: str, model: str, sessions: Sequence[Session]) -> dict[tuple[int, int], list[int]]:
-    """Token ids of every prompt, as the server builds them for a chat completion (`/v1/tokenize`)."""
-    out = {}
-    for s, t in workload_order(sessions):
-        body = {"model": model, "messages": sessions[s].prompt_messages(t)}
-        req = urllib.request.Request(base_url + "/v1/tokenize", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            out[(s, t)] = [int(x) for x in json.loads(resp.read())["tokens"]]
-    return out
-
-
-def ideal_cached_tokens(prompts: dict[tuple[int, int], list[int]], order: Sequence[tuple[int, int]],
-                        page_tokens: int = PAGE_TOKENS) -> dict[tuple[int, int], int]:
-    """Per request, what one infinite cache shared by all servers would hit: the longest prefix
-    shared with any earlier prompt in `order`, capped below the last token, in whole pages."""
-    ideal, seen = {}, []
-    for key in order:
-        ids = prompts[key]
-        best = 0
-        for earlier in seen:
-            n = 0
-            for a, b in zip(ids, earlier):
-                if a != b:
-                    break
-                n += 1
-            best = max(best, n)
-        ideal[key] = min(best, len(ids) - 1) // page_tokens * page_tokens
-        seen.append(ids)
-    return ideal
-
-
-def check_fits(prompts: dict[tuple[int, int], list[int]], max_total_tokens: int, max_tokens: int) -> None:
-    """Refuse a workload whose longest prompt cannot run in the HBM pool at all.
-
-    SGLang keeps such a request waiting forever (it never fits the pool); stop instead.
-
-    Raises:
-        ValueError: naming `--max-total-tokens` and `--max-message-chars`.
-    """
-    (s, t), ids = max(prompts.items(), key=lambda kv: len(kv[1]))
-    need = len(ids) + max_tokens + PAGE_TOKENS
-    if need > max_total_tokens:
-        raise ValueError(f"session {s} turn {t} has a {len(ids)}-token prompt: with {max_tokens} new tokens and a "
-                         f"page it needs {need} > --max-total-tokens {max_total_tokens}; raise the pool or lower "
-                         "--max-message-chars / --turns")  # fmt: skip
-
-
-async def drive_cell(cell: Cell, urls: Sequence[str], settings: BenchSettings,
-                     ideal: dict[tuple[int, int], int]) -> list[ClusterRecord]:
-    """Send the workload to the cell's servers, one request at a time, routed per turn."""
-    config = settings.workload
-    timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
-    records: list[ClusterRecord] = []
-    order = workload_order(settings.sessions)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
-        model = config.model or await fetch_model_id(http, urls[0])
-        t_start = time.perf_counter()
-        for s, t in tqdm(order, desc=cell.label, unit="req", disable=not config.progress):
-            session = settings.sessions[s]
-            server = route(cell.routing, s, t, len(urls), settings.seed)
-            record = ClusterRecord(cell.system, session.session_id, s, t, routing=cell.routing,
-                                   repeat=cell.repeat, cell_index=cell.index, server_index=server,
-                                   ideal_cached_tokens=ideal.get((s, t)))  # fmt: skip
-            record.start_s = time.perf_counter() - t_start
-            await send_chat_request(http, urls[server], session.prompt_messages(t), model, config, record)
-            record.cached_nvme_tokens, record.cached_store_tokens = cluster_report.split_storage(
-                record.cached_storage_tokens, record.cached_storage_backend)
-            if record.error:
-                logger.warning("[%s] %s turn %d failed: %s", cell.label, session.session_id, t, record.error)
-            records.append(record)
-    return records
-
-
-def run_cell(cell: Cell, settings: BenchSettings, prompts: dict) -> CellRun:
-    """Start the cell's store and servers, warm up, replay the workload, stop them (by PID).
-
-    `prompts` (token ids per request) is filled from the first cell's server if empty.
-
-    Raises:
-        hiradix.testing.ServerStartError, hiradix.testing.mooncake.StoreStartError: a process
-            did not come up (the message has its log).
-        RuntimeError: a warm-up request failed.
-        ValueError: the longest prompt cannot fit the HBM pool (`check_fits`).
-    """
-    cell_dir = settings.run_dir / "cells" / cell.label
-    cell_dir.mkdir(parents=True, exist_ok=True)
-    with contextlib.ExitStack() as stack:
-        store = None
-        if cell.system in STORE_SYSTEMS:
-            store = stack.enter_context(MooncakeCluster(num_holders=1, holder_segment_bytes=settings.store_bytes,
-                                                        log_dir=cell_dir / "store"))  # fmt: skip
-        servers = []
-        for i in range(NUM_SERVERS):
-            args, env = system_launch(cell.system, store, settings, cell_dir, i)
-            server = ServerProcess(str(settings.model_path), extra_args=args, env=env,
-                                   log_path=cell_dir / f"server-{i}.log", startup_timeout_s=settings.startup_timeout_s)
-            stack.callback(server.stop)
-            servers.append(server)
-        logger.info("[%s] starting %d servers: %s", cell.label, len(servers), " ".join(servers[0].extra_args))
-        for server in servers:
-            server.start(wait=False)
-        for server in servers:
-            server.wait_healthy()
-        for server in servers:
-            ab.warm_up(server.base_url, settings.workload)
-        if not prompts:
-            model = asyncio.run(_model_id(servers[0].base_url))
-            prompts.update(tokenize_prompts(servers[0].base_url, model, settings.sessions))
-            check_fits(prompts, settings.max_total_tokens, settings.workload.max_tokens)
-        ideal = ideal_cached_tokens(prompts, workload_order(settings.sessions))
-        t0 = time.perf_counter()
-        records = asyncio.run(drive_cell(cell, [s.base_url for s in servers], settings, ideal))
-        workload_s = time.perf_counter() - t0
-        for i, server in enumerate(servers):
-            (cell_dir / f"server-{i}.metrics.txt").write_text(ab.fetch_metrics(server.base_url))
-        store_keys = store.key_count() if store is not None else None
-        startup_s = [s.startup_s or float("nan") for s in servers]
-    return CellRun(cell, records, startup_s, workload_s, store_keys)
-
-
-async def _model_id(base_url: str) -> str:
-    async with aiohttp.ClientSession() as http:
-        return await fetch_model_id(http, base_url)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.cluster", description="Two servers behind a client-side router: stock, HiCache + "
-                                                 "Mooncake, hiradix + Mooncake; round-robin, random, sticky.")  # fmt: skip
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 4 sessions x 3 turns")
-    parser.add_argument("--model", default=None, help=f"model dir (default {FULL_DEFAULTS['model']})")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from " + ",".join(SYSTEMS))
-    parser.add_argument("--routings", default=",".join(ROUTINGS), help="comma-separated, from " + ",".join(ROUTINGS))
-    parser.add_argument("--no-aa", dest="aa", action="store_false", help="skip the stock-aa (A/A) cell")
-    parser.add_argument("--repeats", type=int, default=1, help="run every cell this many times (rotated order)")
-    parser.add_argument("--sessions", type=int, default=None, help="number of sessions")
-    parser.add_argument("--turns", type=int, default=None, help="user turns per session")
-    parser.add_argument("--seed", type=int, default=0, help="conversation selection and random-routing seed")
-    parser.add_argument("--max-message-chars", type=int, default=None, help="cut each message to this")
-    parser.add_argument("--source", default="auto", choices=["auto", "sharegpt", "synthetic"])
-    parser.add_argument("--max-tokens", type=int, default=None, help="generated tokens per turn")
-    parser.add_argument("--max-total-tokens", type=int, default=None, help="HBM KV pool per server, tokens")
-    parser.add_argument("--dram-ratio", type=float, default=2.0,
-                        help="DRAM of HiCache and hiradix as a multiple of the HBM pool (default 2)")
-    parser.add_argument("--nvme-gb", type=float, default=0.0, help="hiradix NVMe tier per server, GB (default 0)")
-    parser.add_argument("--store-mib", type=int, default=None, help="the store's holder segment, MiB")
-    parser.add_argument("--out-dir", default=None, help="default runs/cluster-<timestamp>")
-    parser.add_argument("--startup-timeout-s", type=float, default=600.0)
-    return parser
+    p = argparse.ArgumentParser(prog="python -m bench.cluster", description="Fleets behind SGLang's router (smg), "
+                                "paired: stock / hiradix + store / HiCache + store x router policies.")  # fmt: skip
+    p.add_argument("--quick", action="store_true", help=f"smoke run: N=2, {QUICK_SYSTEMS}, 3 sessions x 3 turns")
+    p.add_argument("--servers", type=int, default=2, help="servers per system (N)")
+    p.add_argument("--systems", default=None, help="KIND:POLICY,... (default: see the module docstring)")
+    p.add_argument("--second", action="store_true", help="the second invocation's systems (other policies)")
+    p.add_argument("--max-servers", type=int, default=12, help="refuse runs with more servers in all")
+    p.add_argument("--model", default=None)
+    p.add_argument("--repeats", type=int, default=None)
+    for name, what in (("hot", "hot sessions"), ("hot-turns", "turns of a hot session"),
+                       ("hot-chars", "max characters per hot message"), ("cold", "cold sessions"),
+                       ("cold-turns", "turns of a cold session"), ("cold-chars", "max characters per cold message"),
+                       ("max-tokens", "generated tokens per turn"), ("concurrency", "requests per round"),
+                       ("max-total-tokens", "HBM KV pool per server, tokens"), ("store-mib", "holder segment, MiB")):
+        p.add_argument(f"--{name}", type=int, default=None, help=what)
+    p.add_argument("--session-rate", type=float, default=None, help="Poisson session arrivals per s (0: all at once)")
+    p.add_argument("--think-time-s", type=float, default=None, help="mean think time between turns")
+    p.add_argument("--dram-ratio", type=float, default=2.0, help="DRAM of HiCache and hiradix x the HBM pool")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--source", default="auto", choices=["auto", "sharegpt", "synthetic"])
+    p.add_argument("--router-args", default="", help="more `smg launch` flags for every router")
+    p.add_argument("--out-dir", default=None, help="default runs/cluster-<timestamp>")
+    p.add_argument("--startup-timeout-s", type=float, default=600.0)
+    return p
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    """Parse and check options, filling the `--quick` / full defaults.
+    """Options with the `--quick` / full defaults filled and the systems parsed (`args.fleet_systems`).
 
     Raises:
-        SystemExit: On an unknown system or routing, or a repeat count below 1.
+        SystemExit: On bad systems, a repeat count below 1, or more servers than `--max-servers`.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
     for name, value in (QUICK_DEFAULTS if args.quick else FULL_DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    args.routings = [r.strip() for r in args.routings.split(",") if r.strip()]
-    if not args.systems or any(s not in SYSTEMS for s in args.systems) or len(set(args.systems)) < len(args.systems):
-        parser.error(f"--systems wants distinct names from {','.join(SYSTEMS)}, got {','.join(args.systems)}")
-    if not args.routings or any(r not in ROUTINGS for r in args.routings) or len(set(args.routings)) < len(args.routings):
-        parser.error(f"--routings wants distinct names from {','.join(ROUTINGS)}, got {','.join(args.routings)}")
+    if args.concurrency is None:
+        args.concurrency = 4 * args.servers
+    if args.systems is None:
+        table = SECOND_SYSTEMS if args.second else DEFAULT_SYSTEMS
+        args.systems = QUICK_SYSTEMS if args.quick else table.get(args.servers, table[4 if args.servers > 2 else 2])
+    try:
+        args.fleet_systems = parse_systems(args.systems)
+        check_server_budget(args.fleet_systems, args.servers, args.max_servers)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     return args
+
+
+def sessions_per_repeat(args: argparse.Namespace) -> list[list[Session]]:
+    """Sessions of their own for each repetition (scaled by N/2: the same load per server)."""
+    scale = max(1, args.servers // 2)
+    return cluster_workload.skewed_sessions(args.hot * scale, args.hot_turns, args.hot_chars, args.cold * scale,
+                                            args.cold_turns, args.cold_chars, args.seed, args.source, args.repeats)
+
+
+def to_cluster_record(r: PairedRecord) -> ClusterRecord:
+    rec = ClusterRecord(**dataclasses.asdict(r))
+    rec.cached_nvme_tokens, rec.cached_store_tokens = cluster_report.split_storage(
+        rec.cached_storage_tokens, rec.cached_storage_backend)
+    return rec
+
+
+def run_repeat(fleets: Sequence[cluster_fleet.Fleet], repeat: int, sessions: Sequence[Session],
+               config: PairedConfig) -> RepeatResult:
+    """One repetition on flushed caches: warm up every server (directly, not through its router), then
+    the paired rounds through the routers; the routers' counters are read before and after."""
+    for fleet in fleets:
+        for server in fleet.servers:
+            ab.warm_up(server.base_url, config.workload, config.concurrency)
+    before = {f.system.name: cluster_fleet.router_snapshot(f.router) for f in fleets}
+    names = [f.system.name for f in fleets]
+    order = names[repeat % len(names):] + names[: repeat % len(names)]
+    urls = {f.system.name: f.router.base_url for f in fleets}
+    total = sum(s.num_turns for s in sessions)
+    t0 = time.perf_counter()
+
+    def progress(round_index: int, done: int) -> None:
+        logger.info("repeat %d round %d: %d/%d requests per system (%.0f s)", repeat, round_index, done, total,
+                    time.perf_counter() - t0)
+
+    records = asyncio.run(run_paired({n: urls[n] for n in order}, sessions,
+                                     dataclasses.replace(config, repeat=repeat), progress))  # fmt: skip
+    workload_s = time.perf_counter() - t0
+    router = {f.system.name: cluster_fleet.router_snapshot(f.router).minus(before[f.system.name]) for f in fleets}
+    return RepeatResult([to_cluster_record(r) for r in records], router, workload_s)
+
+
+def fill_ideal(records: list[ClusterRecord], reference: str, sessions_by_repeat: list, tokenize_url: str) -> int:
+    """Set `ideal_cached_tokens` of every record from the reference system's prompts (its own answers,
+    tokenized by `tokenize_url`'s server) in its send order, per repetition; returns the longest prompt."""
+    ref = [r for r in records if r.system == reference]
+    answers = {(r.repeat, r.session_index, r.turn_index): r.output_text for r in ref}
+    ideal, longest = {}, 0
+    for repeat, sessions in enumerate(sessions_by_repeat):
+        prompts, outputs, order = {}, {}, []
+        for r in (x for x in ref if x.repeat == repeat):
+            key = (r.session_index, r.turn_index)
+            outputs[key] = r.output_token_ids
+            own = [answers.get((repeat, r.session_index, t), "") for t in range(r.turn_index)]
+            prompts[key] = cluster_workload.tokenize_chat(
+                tokenize_url, SERVED_MODEL, sessions[r.session_index].prompt_messages(r.turn_index, own))
+            longest = max(longest, len(prompts[key]))
+            order.append(key)
+        for key, n in cluster_workload.ideal_cached_tokens(prompts, order, outputs=outputs).items():
+            ideal[(repeat, *key)] = n
+    for r in records:
+        r.ideal_cached_tokens = ideal.get((r.repeat, r.session_index, r.turn_index))
+    return longest
+
+
+def run_all(args: argparse.Namespace, by_repeat: list, run_dir: Path) -> tuple[list[RepeatResult], dict]:
+    """Start every fleet, run the repetitions, compute the ideal, save each server's `/metrics`; stop all."""
+    systems: list[FleetSystem] = args.fleet_systems
+    settings = cluster_fleet.FleetSettings(Path(args.model), args.servers, args.max_total_tokens, args.dram_ratio,
+                                           args.store_mib << 20, run_dir, args.startup_timeout_s,
+                                           tuple(args.router_args.split()))  # fmt: skip
+    workload = WorkloadConfig(max_tokens=args.max_tokens, think_time_s=args.think_time_s,
+                              session_rate_per_s=args.session_rate or None, seed=args.seed, ignore_eos=True,
+                              model=SERVED_MODEL, progress=False)  # fmt: skip
+    config = PairedConfig(workload, concurrency=args.concurrency, own_answers=True)
+    info: dict = {}
+    with contextlib.ExitStack() as stack:
+        t0 = time.perf_counter()
+        fleets = cluster_fleet.start_fleets(stack, systems, settings)
+        info["startup_s"] = time.perf_counter() - t0
+        results = []
+        for repeat, sessions in enumerate(by_repeat):
+            if repeat:
+                ab.flush_caches({f"{f.system.name}/{i}": s for f in fleets for i, s in enumerate(f.servers)})
+            results.append(run_repeat(fleets, repeat, sessions, config))
+            logger.info("repeat %d done after %.0f s", repeat, time.perf_counter() - t0)
+        names = [f.system.name for f in fleets]
+        reference = REFERENCE if REFERENCE in names else names[0]
+        ref_fleet = fleets[names.index(reference)]
+        info["longest_prompt_tokens"] = fill_ideal([r for res in results for r in res.records], reference, by_repeat,
+                                                   ref_fleet.servers[0].base_url)  # fmt: skip
+        info["store_keys"] = {f.system.name: f.store.key_count() for f in fleets if f.store is not None}
+        info["worker_urls"] = {f.system.name: [s.base_url for s in f.servers] for f in fleets}
+        for f in fleets:
+            for i, server in enumerate(f.servers):
+                (run_dir / "fleets" / f.system.slug / f"server-{i}.metrics.txt").write_text(fetch_metrics(server.base_url))
+            (run_dir / "fleets" / f.system.slug / "router.metrics.txt").write_text(f.router.metrics_text())
+    return results, info
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -377,35 +266,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not model_path.is_absolute() and not model_path.exists():
         model_path = ab.REPO_ROOT / model_path
     if not model_path.exists():
-        raise SystemExit(f"model {args.model} not found; build it with scripts/make_model.py "
-                         f"--preset {'tiny' if args.quick else 'small'} --out {args.model}")  # fmt: skip
+        raise SystemExit(f"model {args.model} not found; build it with scripts/make_model.py --preset tiny")
+    args.model = str(model_path)
     run_dir = Path(args.out_dir) if args.out_dir else ab.REPO_ROOT / "runs" / f"cluster-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    sessions = tuple(load_sessions(args.sessions, args.turns, args.seed, args.max_message_chars, args.source))
-    settings = BenchSettings(model_path, sessions, WorkloadConfig(max_tokens=args.max_tokens, seed=args.seed),
-                             args.max_total_tokens, args.dram_ratio, args.nvme_gb, args.store_mib << 20, args.seed,
-                             run_dir, args.startup_timeout_s)  # fmt: skip
-    cells = plan_cells(args.systems, args.routings, args.repeats, args.aa and "stock" in args.systems)
-    logger.info("%d sessions x %d turns (%s); %d cells; results in %s%s", len(sessions), args.turns,
-                sessions[0].source, len(cells), run_dir, " (--quick: a smoke run)" if args.quick else "")
+    by_repeat = sessions_per_repeat(args)
+    count = ab.token_counter(model_path)
+    cluster_workload.check_fits(max(cluster_workload.longest_prompt_bound(ss, count, answer_tokens=args.max_tokens)
+                                    for ss in by_repeat), args.max_total_tokens, args.max_tokens)  # fmt: skip
+    logger.info("N=%d, systems %s; %d repeat(s) of %d sessions (%s); results in %s", args.servers, args.systems,
+                args.repeats, len(by_repeat[0]), by_repeat[0][0].source, run_dir)
     t0 = time.perf_counter()
-    prompts: dict = {}
-    runs = [run_cell(cell, settings, prompts) for cell in cells]
-    config = {**vars(args), "model": str(model_path), "num_servers": NUM_SERVERS, "page_tokens": PAGE_TOKENS,
-              "session_ids": [s.session_id for s in sessions], "session_source": sessions[0].source,
-              "cells": [dataclasses.asdict(c) for c in cells], "total_s": time.perf_counter() - t0,
-              "tokenized_prompt_tokens": {f"{s}:{t}": len(ids) for (s, t), ids in prompts.items()}}  # fmt: skip
-    report = cluster_report.build_report(runs)
-    cluster_report.write_outputs(runs, report, run_dir, config)
+    results, info = run_all(args, by_repeat, run_dir)
+    config = {**{k: v for k, v in vars(args).items() if k != "fleet_systems"}, **info,
+              "total_s": time.perf_counter() - t0, "session_source": by_repeat[0][0].source,
+              "session_ids": [[s.session_id for s in ss] for ss in by_repeat],
+              "session_turns": [[s.num_turns for s in ss] for ss in by_repeat]}  # fmt: skip
+    report = cluster_report.build_report(results, [s.name for s in args.fleet_systems], info["worker_urls"])
+    cluster_report.write_outputs(results, report, run_dir, config)
     print()
-    print(f"model {model_path.name}, {NUM_SERVERS} servers per system, {len(sessions)} sessions x {args.turns} turns "
-          f"({sessions[0].source}), max_total_tokens {args.max_total_tokens}, page {PAGE_TOKENS}, dram "
-          f"{args.dram_ratio:g}x, nvme {args.nvme_gb:g} GB, max_tokens {args.max_tokens}, repeats {args.repeats}"
-          + (" -- a smoke run (--quick): tiny model, tiny prompts; its TTFTs are noise" if args.quick else ""))
+    print(f"model {model_path.name}, N={args.servers} servers per system, {args.repeats} repeat(s) of "
+          f"{len(by_repeat[0])} sessions ({by_repeat[0][0].source}; hot {args.hot * max(1, args.servers // 2)} x "
+          f"{args.hot_turns} turns, cold {args.cold * max(1, args.servers // 2)} x {args.cold_turns}), concurrency "
+          f"{args.concurrency}, max_total_tokens {args.max_total_tokens}, page 16, dram {args.dram_ratio:g}x, "
+          f"max_tokens {args.max_tokens}" + (" -- a smoke run (--quick): its TTFTs are noise" if args.quick else ""))
     print(cluster_report.format_report(report))
-    print(f"\nresults: {run_dir} (records.json, records.csv, summary.json, cluster_hits.png, cluster_ttft.png); "
-          f"total {config['total_s']:.0f} s")
-    return 1 if any(not r.ok for run in runs for r in run.records) else 0
+    print(f"\nresults: {run_dir}; startup {info['startup_s']:.0f} s, total {config['total_s']:.0f} s")
+    return 1 if any(not r.ok for res in results for r in res.records) else 0
 
 
 if __name__ == "__main__":
