@@ -47,7 +47,9 @@ def plot(results: Sequence[dict], infinite: dict, path: Path) -> None:
     bx.set_ylabel("p99 queueing delay (s)")
     bx.set_yscale("symlog", linthresh=0.1)
     tx = bx.twinx()
-    tx.plot(x, [r["imbalance"] for r in results], "ko", label="imbalance (max / mean requests)")
+    imbalance = [r["imbalance"] for r in results]
+    tx.plot(x, imbalance, "ko", label="imbalance (max / mean requests)")
+    tx.set_ylim(0.98, max(imbalance) + 0.25 * (max(imbalance) - 0.98) + 0.01)
     tx.set_ylabel("imbalance")
     bx.set_xticks(list(x), names, rotation=60, ha="right", fontsize="small")
     bx.legend(loc="upper left", fontsize="small")
