@@ -35,8 +35,6 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import os
-import re
 import shutil
 import sys
 import time
@@ -46,7 +44,6 @@ from typing import Any, Sequence
 
 import aiohttp
 import msgspec
-import psutil
 from tqdm.auto import tqdm
 
 if __package__ in (None, ""):  # run as a file: python bench/soak/run.py
@@ -54,20 +51,16 @@ if __package__ in (None, ""):  # run as a file: python bench/soak/run.py
 
 from bench.common.conversations import Session, load_sessions
 from bench.common.multiturn import RequestRecord, WorkloadConfig, fetch_model_id, send_chat_request
-from hiradix.runtime.metrics import TIERS as METRIC_TIERS
-from hiradix.testing.resources import TreeUsage, dir_modes, private_mode_problems, tree_usage
+from bench.soak.observe import (  # noqa: F401 (SUMMARY_RE, parse_tier_tokens: used by the tests through this module)
+    SUMMARY_RE, LogScanner, Snapshot, flush_and_check, http_request, integrity_checking_on, parse_tier_tokens,
+    process_alive, server_usage, settled_snapshot, snapshot_diffs,
+)
+from hiradix.testing.resources import TreeUsage
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
-from hiradix.tiers.files import default_shm_dir
 
 logger = logging.getLogger(__name__)
 
 MIB = 1 << 20
-# Lines that mean the server is broken (tree invariant, scheduler crash, SGLang's leak check).
-ERROR_MARKERS = ("IntegrityError", "Scheduler hit an exception", "memory leak", "Traceback (most recent", "SIGQUIT")
-SUMMARY_RE = re.compile(
-    r"tokens per tier HBM/DRAM/NVMe=\[(\d+), (\d+), (\d+)\] DRAM pages=(\d+)/(\d+) NVMe slots=(\d+)/(\d+)"
-)
-TIER_GAUGE_RE = re.compile(r'^sglang:hiradix_tier_used_tokens\{[^}]*tier="([^"]+)"[^}]*\}\s+(\S+)', re.M)
 # Processes that map the DRAM tier (the scheduler writes it, the I/O worker reads it).
 DRAM_MAPPERS = 2
 
@@ -139,19 +132,6 @@ class SoakConfig:
         return int(DRAM_MAPPERS * self.dram_gb * 1e9 + max(self.rss_slack_bytes, 0.05 * baseline.rss_bytes))
 
 
-class Snapshot(msgspec.Struct):
-    """Resources of the server at one point: the process tree and the two private directories."""
-
-    usage: TreeUsage
-    nvme_dir: dict[str, str]  # dir_modes of <nvme path>/hiradix-rank0
-    socket_dir: dict[str, str]  # dir_modes of the worker's socket directory
-
-    def comparable(self) -> tuple:
-        """What must be equal to the baseline at the end (not memory)."""
-        u = self.usage
-        return (u.num_processes, u.num_fds, u.num_sockets, u.shm_paths, self.nvme_dir, self.socket_dir)
-
-
 class SoakReport(msgspec.Struct):
     """The JSON report (`soak_report.json`). Times in seconds, memory in bytes."""
 
@@ -182,25 +162,31 @@ class SoakReport(msgspec.Struct):
 
 
 class SessionFeed:
-    """An endless supply of sessions: synthetic ones are new forever (seed + block number);
-    other sources cycle through one pool of 256 sessions (a repeat is a returning user)."""
+    """An endless supply of sessions of `turns` user turns: synthetic ones are new forever
+    (seed + block number); other sources cycle through one pool of 256 sessions (a repeat is a
+    returning user). Messages are cut to `max_message_chars` characters."""
 
-    def __init__(self, config: SoakConfig, block: int = 64):
-        self.config = config
+    def __init__(self, turns: int, max_message_chars: int, source: str = "synthetic", seed: int = 0, block: int = 64):
+        self.turns, self.max_message_chars, self.source, self.seed = turns, max_message_chars, source, seed
         self.block = block
         self._blocks = 0
         self._queue: list[Session] = []
         self._pool: list[Session] | None = None
         self.started = 0
 
+    @classmethod
+    def for_config(cls, config: SoakConfig) -> SessionFeed:
+        """The feed of `config`'s turns, message length, source and seed."""
+        return cls(config.turns, config.max_message_chars, config.source, config.seed)
+
     def next(self) -> Session:
         """The next session to replay."""
         if not self._queue:
-            c = self.config
-            if c.source == "synthetic":
-                self._queue = load_sessions(self.block, c.turns, c.seed + self._blocks, c.max_message_chars, "synthetic")
+            if self.source == "synthetic":
+                self._queue = load_sessions(self.block, self.turns, self.seed + self._blocks, self.max_message_chars,
+                                            "synthetic")  # fmt: skip
             else:
-                self._pool = self._pool or load_sessions(256, c.turns, c.seed, c.max_message_chars, c.source)
+                self._pool = self._pool or load_sessions(256, self.turns, self.seed, self.max_message_chars, self.source)
                 self._queue = list(self._pool)
             self._blocks += 1
         self.started += 1
@@ -270,106 +256,6 @@ async def load_for(base_url: str, feed: SessionFeed, config: SoakConfig, stats: 
             timer.cancel()
 
 
-# ------------------------------------------------------------------------ observation
-
-
-class LogScanner:
-    """Reads a growing log file; keeps the lines holding an error marker."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.offset = 0
-        self.errors: list[str] = []
-
-    def read_new(self) -> str:
-        """Whole lines appended since the last call (new error-marker lines are kept); a line
-        still being written is left for the next call."""
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        data = data[: data.rfind(b"\n") + 1]
-        self.offset += len(data)
-        text = data.decode("utf-8", errors="replace")
-        self.errors += [line for line in text.splitlines() if any(m in line for m in ERROR_MARKERS)][:50]
-        return text
-
-
-def worker_socket_dir(server: ServerProcess) -> Path | None:
-    """`/dev/shm/hiradix-<uid>-<scheduler pid>-rank0/sock` of the server's scheduler, if any
-    (`hiradix.tiers.dram.default_shm_dir` names it after the scheduler's pid)."""
-    base = default_shm_dir().parent
-    for process in server.descendants():
-        candidate = base / f"hiradix-{os.geteuid()}-{process.pid}-rank0" / "sock"
-        if candidate.is_dir():
-            return candidate
-    return None
-
-
-def server_usage(server: ServerProcess) -> TreeUsage:
-    """`tree_usage` of the launcher and all its descendants."""
-    launcher = [psutil.Process(server.pid)] if _alive(server.pid) else []
-    return tree_usage(launcher + server.descendants())
-
-
-def snapshot(server: ServerProcess, nvme_rank_dir: Path) -> Snapshot:
-    """Measure the server tree and its two private directories now."""
-    sock = worker_socket_dir(server)
-    return Snapshot(server_usage(server), dir_modes(nvme_rank_dir), dir_modes(sock) if sock else {})
-
-
-def settled_snapshot(server: ServerProcess, nvme_rank_dir: Path, timeout_s: float,
-                     target: Snapshot | None = None) -> Snapshot:
-    """A snapshot once two reads 0.5 s apart agree (or equal `target`); the last one on timeout."""
-    deadline = time.monotonic() + timeout_s
-    previous = snapshot(server, nvme_rank_dir)
-    while time.monotonic() < deadline:
-        if target is not None and previous.comparable() == target.comparable():
-            return previous
-        time.sleep(0.5)
-        current = snapshot(server, nvme_rank_dir)
-        if target is None and current.comparable() == previous.comparable():
-            return current
-        previous = current
-    return previous
-
-
-def integrity_checking_on(server: ServerProcess) -> bool:
-    """Whether the scheduler runs with HIRADIX_CHECK_INTEGRITY=1, read from its child, the I/O
-    worker, which inherits its environment (the scheduler's own /proc environ is overwritten by
-    its process title)."""
-    for process in server.descendants():
-        try:
-            if "hiradix.io.worker" in process.cmdline():
-                return process.environ().get("HIRADIX_CHECK_INTEGRITY") == "1"
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return False
-
-
-def parse_tier_tokens(metrics_text: str) -> dict[str, float]:
-    """`{tier: tokens}` from the `sglang:hiradix_tier_used_tokens` gauges of a /metrics page (summed over ranks)."""
-    found: dict[str, float] = {}
-    for tier, value in TIER_GAUGE_RE.findall(metrics_text):
-        found[tier] = found.get(tier, 0.0) + float(value)
-    return found
-
-
-def _alive(pid: int | None) -> bool:
-    try:
-        return pid is not None and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-async def _request(http: aiohttp.ClientSession, method: str, url: str, timeout_s: float = 60.0) -> tuple[int, str]:
-    """`(status, body)`; status 0 when the server could not be reached or timed out."""
-    try:
-        async with http.request(method, url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            return resp.status, await resp.text()
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        return 0, f"{type(exc).__name__}: {exc}"
-
-
 def make_watcher(server: ServerProcess, config: SoakConfig, scanner: LogScanner, report: SoakReport, bar: Any):
     """The periodic check run alongside the soak load (see the module docstring, phase 2)."""
     t0 = time.monotonic()
@@ -382,8 +268,8 @@ def make_watcher(server: ServerProcess, config: SoakConfig, scanner: LogScanner,
             except asyncio.TimeoutError:
                 pass
             t = round(time.monotonic() - t0, 1)
-            problems = [] if _alive(server.pid) else [f"t={t}s: the server process exited"]
-            status, body = await _request(http, "GET", server.base_url + "/health_generate")
+            problems = [] if process_alive(server.pid) else [f"t={t}s: the server process exited"]
+            status, body = await http_request(http, "GET", server.base_url + "/health_generate")
             if status != 200:
                 problems.append(f"t={t}s: /health_generate answered {status}: {body[:300]}")
             known = len(scanner.errors)
@@ -400,73 +286,17 @@ def make_watcher(server: ServerProcess, config: SoakConfig, scanner: LogScanner,
 
 
 async def flush_and_read(base_url: str, config: SoakConfig, scanner: LogScanner, report: SoakReport) -> None:
-    """Flush the cache (retrying while requests finish), then read the tiers' gauges and their
-    next summary line (each `/health_generate` runs one scheduler step; the summary is logged at
-    most every 10 s)."""
-    async with aiohttp.ClientSession() as http:
-        deadline = time.monotonic() + config.settle_timeout_s
-        while (status := (await _request(http, "POST", base_url + "/flush_cache"))[0]) != 200:
-            if time.monotonic() > deadline:
-                report.violations.append(f"/flush_cache kept failing (last status {status})")
-                return
-            await asyncio.sleep(0.5)  # polls a state: the server finishing its last requests
-        scanner.read_new()  # what was logged before the flush
-        summary: tuple | None = None
-        deadline = time.monotonic() + 30.0
-        while summary is None and time.monotonic() < deadline:
-            await _request(http, "GET", base_url + "/health_generate")
-            found = SUMMARY_RE.findall(scanner.read_new())
-            summary = found[-1] if found else None
-            if summary is None:
-                await asyncio.sleep(1.0)
-        report.tier_tokens_after_flush = parse_tier_tokens((await _request(http, "GET", base_url + "/metrics"))[1])
-    if summary is None:
-        report.violations.append("no tiers summary line within 30 s after /flush_cache")
-    else:
-        keys = ("hbm_tokens", "dram_tokens", "nvme_tokens", "dram_pages_used", "dram_pages", "nvme_slots_used", "nvme_slots")
-        report.summary_after_flush = dict(zip(keys, map(int, summary)))
-    for key in ("dram_pages_used", "nvme_slots_used"):
-        if report.summary_after_flush.get(key, 0) != 0:
-            report.violations.append(f"after /flush_cache {key} = {report.summary_after_flush[key]}, expected 0")
-    if set(report.tier_tokens_after_flush) != set(METRIC_TIERS):
-        report.violations.append(f"sglang:hiradix_tier_used_tokens gauges missing: {report.tier_tokens_after_flush}")
-    for tier, tokens in report.tier_tokens_after_flush.items():
-        if tokens != 0:
-            report.violations.append(f"after /flush_cache sglang:hiradix_tier_used_tokens{{tier={tier}}} = {tokens:g}, expected 0")
-
-
-def _diff(name: str, before: Any, after: Any) -> list[str]:
-    if before == after:
-        return []
-    if isinstance(before, dict):
-        added = {k: after[k] for k in after.keys() - before.keys()}
-        removed = {k: before[k] for k in before.keys() - after.keys()}
-        changed = {k: (before[k], after[k]) for k in before.keys() & after.keys() if before[k] != after[k]}
-        return [f"{name} differs from the baseline: added {added}, removed {removed}, changed {changed}"]
-    if isinstance(before, list):
-        return [f"{name} differs from the baseline: added {sorted(set(after) - set(before))}, "
-                f"removed {sorted(set(before) - set(after))}"]
-    return [f"{name}: {before} at the baseline, {after} at the end"]
+    """`flush_and_check` into `report`."""
+    result = await flush_and_check(base_url, config.settle_timeout_s, scanner)
+    report.tier_tokens_after_flush, report.summary_after_flush = result.tier_tokens, result.summary
+    report.violations += result.violations
 
 
 def end_checks(report: SoakReport, config: SoakConfig) -> list[str]:
     """Compare the end snapshot with the baseline; return the violations."""
     b, e = report.baseline, report.end
     assert b is not None and e is not None
-    problems = []
-    for name, before, after in (
-        ("processes", b.usage.num_processes, e.usage.num_processes),
-        ("open fds", b.usage.num_fds, e.usage.num_fds),
-        ("sockets", b.usage.num_sockets, e.usage.num_sockets),
-        ("/dev/shm entries held", b.usage.shm_paths, e.usage.shm_paths),
-        ("NVMe directory", b.nvme_dir, e.nvme_dir),
-        ("worker socket directory", b.socket_dir, e.socket_dir),
-    ):
-        problems += _diff(name, before, after)
-    if not b.nvme_dir or not b.socket_dir:
-        problems.append(f"NVMe or socket directory not found at the baseline: {b.nvme_dir}, {b.socket_dir}")
-    for name, modes in (("NVMe directory", b.nvme_dir), ("worker socket directory", b.socket_dir)):
-        problems += [f"{name} not private: {p}" for p in private_mode_problems(modes)]
+    problems = snapshot_diffs(b, e)
     report.rss_growth_bytes = e.usage.rss_bytes - b.usage.rss_bytes
     report.rss_bound_bytes = config.rss_bound_bytes(b.usage)
     if report.rss_growth_bytes > report.rss_bound_bytes:
@@ -484,7 +314,7 @@ def end_checks(report: SoakReport, config: SoakConfig) -> list[str]:
 def _soak(server: ServerProcess, config: SoakConfig, nvme_rank_dir: Path, report: SoakReport) -> None:
     """Phases 1-3 against a started server (fills `report`)."""
     scanner = LogScanner(server.log_path)
-    feed, stats = SessionFeed(config), LoadStats()
+    feed, stats = SessionFeed.for_config(config), LoadStats()
     report.integrity_checking = integrity_checking_on(server)
     logger.info("soak: warm-up %.0f s on %s", config.warmup, server.base_url)
     asyncio.run(load_for(server.base_url, feed, config, stats, config.warmup))
@@ -497,7 +327,7 @@ def _soak(server: ServerProcess, config: SoakConfig, nvme_rank_dir: Path, report
     report.requests, report.failed_requests, report.error_samples = stats.requests, stats.failed, stats.errors
     report.sessions_started, report.prompt_tokens = feed.started, stats.prompt_tokens
     report.cached_tokens_by_tier = stats.cached_by_tier
-    alive = _alive(server.pid)
+    alive = process_alive(server.pid)
     if alive:
         asyncio.run(flush_and_read(server.base_url, config, scanner, report))
         report.end = settled_snapshot(server, nvme_rank_dir, config.settle_timeout_s, target=report.baseline)
