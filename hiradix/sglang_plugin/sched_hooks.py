@@ -65,12 +65,14 @@ def after_get_cached_tokens_details(result: Any, streamer: Any, req: Any, *args:
 def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     """Time an extend batch's forward for the prefill-rate estimate (``--hiradix-store-read auto``).
 
-    Measured only without the overlap scheduler (``run_batch`` then returns after the forward;
-    SGLang turns overlap off on CPU); with it, nothing is measured and ``auto`` keeps reading.
+    Measured where ``run_batch`` returns after the forward: on CPU (synchronous, also with the
+    overlap scheduler, which SGLang 0.5.23 leaves on there) or without the overlap scheduler. On
+    an accelerator with it, ``run_batch`` returns at launch: nothing is measured and ``auto``
+    keeps reading.
     """
     cache = _hiradix_cache(scheduler.tree_cache)
-    measure = (cache is not None and not getattr(scheduler, "enable_overlap", True)
-               and batch.forward_mode.is_extend() and batch.extend_num_tokens)
+    synchronous = str(getattr(batch, "device", "")) == "cpu" or not getattr(scheduler, "enable_overlap", True)
+    measure = cache is not None and synchronous and batch.forward_mode.is_extend() and batch.extend_num_tokens
     if not measure:
         return original(scheduler, batch, *args, **kwargs)
     start_s = time.perf_counter()
