@@ -7,7 +7,8 @@ The fleet (all on loopback, stopped by PID): a Mooncake master and `holders` hol
 HBM `--max-total-tokens`, DRAM, NVMe in a private directory, the store;
 `HIRADIX_CHECK_INTEGRITY=1`: the tree proves its invariants after every scheduler step;
 `--served-model-name default`); SGLang's router (`RouterProcess`, `--policy`, round_robin by
-default) in front of them; and one stock SGLang server, not behind the router, as the reference.
+default, its worker overload protection off: see `FleetConfig.router_overload_protection`) in
+front of them; and one stock SGLang server, not behind the router, as the reference.
 
 The load (`bench.soak.fleet_load`): a few long hot sessions and many short ones; every turn goes
 to the router and to the stock server, and the answers must be equal (greedy). What failure is
@@ -87,6 +88,11 @@ class FleetConfig:
     duration_s: float = 1800.0  # load time, warm-up included
     warmup_s: float | None = None  # None: min(60, duration_s / 8)
     policy: str = "round_robin"  # the router's --policy
+    # The router's overload protection (on by default in smg: a worker with >= 8 waiting requests is
+    # skipped). Off here: while b restarts, a carries the whole load, is skipped, and the router
+    # answers 503 no_available_workers (first 30-minute run: 1,509 such failures in 57 s, 1,487 of
+    # their retries failed too). --router-overload-protection turns it back on.
+    router_overload_protection: bool = False
     load: SkewedLoad = SkewedLoad()
     max_running_requests: int = 4
     max_total_tokens: int = 2048  # HBM of each hiradix server, tokens
@@ -228,7 +234,9 @@ def build_fleet(config: FleetConfig, report: FleetReport) -> Fleet:
                           extra_args=cpu_args(32768) + ["--max-running-requests", str(config.max_running_requests),
                                                         "--served-model-name", MODEL],
                           log_path=out / "stock.log", startup_timeout_s=config.startup_timeout_s)  # fmt: skip
-    router = RouterProcess(out / "router.log", worker_urls=[m.server.base_url for m in members], policy=config.policy)
+    overload = [] if config.router_overload_protection else ["--disable-worker-overload-protection"]
+    router = RouterProcess(out / "router.log", worker_urls=[m.server.base_url for m in members], policy=config.policy,
+                           extra_args=overload)  # fmt: skip
     return Fleet(config, cluster, members, stock, router, report)
 
 
@@ -523,6 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-s", type=float, default=None, help="warm-up before a baseline (default min(60, duration/8))")
     p.add_argument("--model", default=d.model)
     p.add_argument("--policy", default=d.policy, help="the router's --policy (default round_robin)")
+    p.add_argument("--router-overload-protection", action="store_true",
+                   help="keep smg's worker overload protection on (see FleetConfig.router_overload_protection)")
     for name in ("hot_slots", "hot_turns", "short_slots", "short_turns", "max_tokens", "max_message_chars", "seed"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(dl, name))
     p.add_argument("--source", choices=["synthetic", "sharegpt", "auto"], default=dl.source)
