@@ -7,8 +7,10 @@ that memory), then every other server at once; then the routers, each waited for
 its N workers healthy. Everything is stopped by PID (an `ExitStack`), also on failure.
 
 Router figures (`RouterSnapshot`): per-worker request counts (`smg_worker_requests_total`) and the
-router-side TTFT histogram (`smg_router_ttft_seconds`, buckets summed over label sets), read before
-and after a repetition and subtracted.
+router-side TTFT histogram (`smg_router_ttft_seconds`, buckets summed over label sets; smg 1.13.0 does
+not expose it in HTTP mode) and its request-duration histogram (`smg_router_request_duration_seconds`,
+which for a streaming request ends when the stream starts), read before and after a repetition and
+subtracted.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from hiradix.testing.router import RouterProcess
 from hiradix.testing.server import ServerProcess
 
 logger = logging.getLogger("bench.cluster.fleet")
-ROUTER_TTFT = "smg_router_ttft_seconds"
+ROUTER_TTFT = "smg_router_ttft_seconds"  # not exposed by smg 1.13.0 in HTTP (regular-worker) mode
+# smg 1.13.0 stops this clock when a streaming response starts: a router-side TTFT in practice
+ROUTER_DURATION = "smg_router_request_duration_seconds"
 
 
 @dataclass
@@ -60,11 +64,13 @@ class RouterSnapshot:
     requests: dict = field(default_factory=dict)
     ttft_buckets: dict = field(default_factory=dict)
     ttft_available: bool = False
+    duration_buckets: dict = field(default_factory=dict)  # smg_router_request_duration_seconds, le (s) -> count
 
     def minus(self, before: "RouterSnapshot") -> "RouterSnapshot":
         return RouterSnapshot({w: n - before.requests.get(w, 0.0) for w, n in self.requests.items()},
                               {le: n - before.ttft_buckets.get(le, 0.0) for le, n in self.ttft_buckets.items()},
-                              self.ttft_available)  # fmt: skip
+                              self.ttft_available,
+                              {le: n - before.duration_buckets.get(le, 0.0) for le, n in self.duration_buckets.items()})
 
 
 def router_snapshot(router: RouterProcess) -> RouterSnapshot:
@@ -74,6 +80,9 @@ def router_snapshot(router: RouterProcess) -> RouterSnapshot:
         le = float(labels["le"])
         snap.ttft_buckets[le] = snap.ttft_buckets.get(le, 0.0) + value
         snap.ttft_available = True
+    for labels, value in router.samples(ROUTER_DURATION + "_bucket"):
+        le = float(labels["le"])
+        snap.duration_buckets[le] = snap.duration_buckets.get(le, 0.0) + value
     return snap
 
 

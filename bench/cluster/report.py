@@ -12,7 +12,9 @@ Per system, over the requests of all repetitions (tokens summed over requests):
         independent); the A/A row is the reference's duplicate fleet;
     requests per server: the router's `smg_worker_requests_total` over the measured rounds (warm-ups
         go to the servers directly); imbalance = max / mean over the N servers;
-    router TTFT: p50 / p99 of the router's `smg_router_ttft_seconds` histogram (None: not exposed);
+    router TTFT: p50 / p99 of the router's `smg_router_ttft_seconds` histogram (None: not exposed, as
+        in smg 1.13.0's HTTP mode); router duration: of `smg_router_request_duration_seconds`, which
+        ends when a streaming response starts (all turns; coarse buckets);
     outputs token-identical to the reference (matched by repeat, session, turn).
 Targets (issue 19; printed, not asserted), per hiradix system under a load-only policy: hit tokens
 >= 95% of the reference's, imbalance <= 1.2, p99 TTFT of turns >= 2 below the reference's.
@@ -108,15 +110,15 @@ def server_counts(results: Sequence, name: str, urls: Sequence[str]) -> list[flo
     return [sum(res.router[name].requests.get(u, 0.0) for res in results) for u in urls]
 
 
-def router_ttft(results: Sequence, name: str) -> dict:
-    """p50 / p99 of the router's TTFT histogram over the repetitions (None when the router lacks it)."""
+def router_ttft(results: Sequence, name: str, field: str = "ttft_buckets") -> dict:
+    """p50 / p99 of a router histogram (`field` of `RouterSnapshot`) over the repetitions (None when absent)."""
     snaps = [res.router[name] for res in results]
-    if not any(s.ttft_available for s in snaps):
-        return {"available": False, "p50": None, "p99": None, "count": 0}
     buckets: dict = {}
     for s in snaps:
-        for le, n in s.ttft_buckets.items():
+        for le, n in getattr(s, field).items():
             buckets[le] = buckets.get(le, 0.0) + n
+    if not buckets or (field == "ttft_buckets" and not any(s.ttft_available for s in snaps)):
+        return {"available": False, "p50": None, "p99": None, "count": 0}
     count = max(buckets.values()) if buckets else 0
     return {"available": True, "count": count, **{k: histogram_quantile(buckets, q) for k, q in QUANTILES.items()}}
 
@@ -146,7 +148,8 @@ def system_summary(name: str, results: Sequence, urls: Sequence[str], reference:
         "ideal_share": share(ideal), "prefill_tokens": prompt - cached, "ttft_later_n": len(mine),
         "ttft_later": ttft, "server_requests": counts, "routed_requests": sum(counts),
         "imbalance": max(counts) / mean if counts and mean > 0 else math.nan,
-        "router_ttft": router_ttft(results, name), "identical_to_reference": [same, compared],
+        "router_ttft": router_ttft(results, name), "router_duration": router_ttft(results, name, "duration_buckets"),
+        "identical_to_reference": [same, compared],
         "workload_s": sum(res.workload_s for res in results),
     }  # fmt: skip
 
@@ -206,7 +209,8 @@ def format_report(report: dict) -> str:
     """The per-system table printed at the end of a run, then the targets."""
     head = (f"{'system':<22} {'req':>4} {'hit%':>5} {'ideal%':>6} {'HBM%':>5} {'DRAM%':>5} {'store%':>6} "
             f"{'prefill':>7} {'p50 ms t>=2 [CI]':>17} {'p99 ms t>=2 [CI]':>18} {'p50/ref [CI]':>17} "
-            f"{'p99/ref [CI]':>17} {'per server':>12} {'imb':>4} {'router p50/p99':>14} {'same':>7}")  # fmt: skip
+            f"{'p99/ref [CI]':>17} {'per server':>12} {'imb':>4} {'router p50/p99':>14} {'dur p50/p99':>11} "
+            f"{'same':>7}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for s in report["systems"]:
         t, share = s["ttft_later"], s["tier_share"]
@@ -216,12 +220,13 @@ def format_report(report: dict) -> str:
                      f"{_pct(share['device'])} {_pct(share['host'])} {_pct(share['store'] + share['nvme']):>6} "
                      f"{s['prefill_tokens']:>7} {_ms(t['p50']):>17} {_ms(t['p99']):>18} {_ratio(t['p50']):>17} "
                      f"{_ratio(t['p99']):>17} {per:>12} {s['imbalance']:>4.2f} {_router_ms(s['router_ttft']):>14} "
-                     f"{same:>7}")  # fmt: skip
+                     f"{_router_ms(s.get('router_duration', {'available': False})):>11} {same:>7}")  # fmt: skip
     lines.append(f"hit% = cached / prompt tokens (all turns); ideal% = one infinite cache shared by all servers; "
                  f"HBM/DRAM/store = where the hits came from; prefill = prompt - cached tokens; t>=2 = turns with a "
                  f"history; /ref = ratio of that quantile to {report['reference']}'s (paired session bootstrap); "
                  "per server / imb = the router's requests per worker and max/mean; router = smg_router_ttft_seconds "
-                 "p50/p99 ms (n/a: not exposed); same = outputs token-identical to the reference")  # fmt: skip
+                 "p50/p99 ms (n/a: not exposed); dur = smg_router_request_duration_seconds p50/p99 ms (all turns; it ends "
+                 "when a stream starts); same = outputs token-identical to the reference")  # fmt: skip
     if not any(s["router_ttft"]["available"] for s in report["systems"]):
         lines.append("router TTFT: smg exposed no smg_router_ttft_seconds samples for these (streaming chat) requests")
     errors = sum(s["errors"] for s in report["systems"])

@@ -160,7 +160,8 @@ def _results():
                     _record("stock-aa:cache_aware", s, 1, 100, 64, device=64, ideal=96, ttft=0.2 + 0.1 * s),
                     _record("hiradix:round_robin", s, 1, 100, 96, device=16, store=80, ideal=96,
                             ttft=0.1 + 0.05 * s, out=(1, 3) if s == 0 else (1, 2))]  # fmt: skip
-    router = {"stock:cache_aware": cluster_fleet.RouterSnapshot({"a0": 6, "a1": 2}),
+    router = {"stock:cache_aware": cluster_fleet.RouterSnapshot({"a0": 6, "a1": 2},
+                                                                duration_buckets={0.05: 4, 0.1: 8, math.inf: 8}),
               "stock-aa:cache_aware": cluster_fleet.RouterSnapshot({"b0": 5, "b1": 3}),
               "hiradix:round_robin": cluster_fleet.RouterSnapshot({"c0": 4, "c1": 4}, {0.1: 3, 0.5: 8, math.inf: 8},
                                                                   True)}  # fmt: skip
@@ -181,6 +182,7 @@ def test_report_figures_per_system_and_targets():
     assert by["stock-aa:cache_aware"]["ttft_later"]["p99"]["ratio"] == pytest.approx(1.0)  # the A/A
     assert hiradix["router_ttft"]["available"] and 0.1 < hiradix["router_ttft"]["p50"] <= 0.5
     assert not stock["router_ttft"]["available"]
+    assert stock["router_duration"]["p50"] == pytest.approx(0.05) and stock["router_duration"]["count"] == 8
     met = {t["target"].split(" ")[0]: t["met"] for t in report["targets"]}
     assert met == {"hit": True, "imbalance": True, "p99": True}  # 384 >= 0.95 x 256; 1.0; 250 < 500 ms
     text = cluster_report.format_report(report)
@@ -199,9 +201,9 @@ def test_targets_are_missed_with_the_measured_figures():
 
 
 def test_router_snapshot_differences():
-    after = cluster_fleet.RouterSnapshot({"a": 10.0, "b": 4.0}, {0.5: 3.0}, True)
-    before = cluster_fleet.RouterSnapshot({"a": 2.0}, {0.5: 1.0}, True)
-    assert after.minus(before) == cluster_fleet.RouterSnapshot({"a": 8.0, "b": 4.0}, {0.5: 2.0}, True)
+    after = cluster_fleet.RouterSnapshot({"a": 10.0, "b": 4.0}, {0.5: 3.0}, True, {1.0: 5.0})
+    before = cluster_fleet.RouterSnapshot({"a": 2.0}, {0.5: 1.0}, True, {1.0: 1.0})
+    assert after.minus(before) == cluster_fleet.RouterSnapshot({"a": 8.0, "b": 4.0}, {0.5: 2.0}, True, {1.0: 4.0})
 
 
 def test_outputs_are_written_with_every_record_and_field(tmp_path):
@@ -245,6 +247,7 @@ def test_e2e_quick_run_through_the_router_hits_the_store_when_turns_move(tiny_mo
     summary = json.loads((tmp_path / "summary.json").read_text())
     for s in summary["systems"]:  # the router's per-worker counts add up to the requests sent
         assert s["routed_requests"] == s["requests"] == 9 and len(s["server_requests"]) == 2
+        assert s["router_duration"]["count"] == 9  # the router timed each of them (smg_router_request_duration_seconds)
     assert sorted(next(s for s in summary["systems"] if s["system"] == "hiradix:round_robin")["server_requests"]) == [4, 5]
     assert (tmp_path / "cluster_hits.png").stat().st_size > 10_000
     assert (tmp_path / "fleets" / "hiradix-round_robin" / "router.log").stat().st_size > 0
