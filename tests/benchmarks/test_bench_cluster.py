@@ -242,7 +242,8 @@ def test_e2e_quick_run_through_the_router_hits_the_store_when_turns_move(tiny_mo
     later = [by[("hiradix:round_robin", s, t)] for s in range(3) for t in (1, 2)]
     ideal = sum(r["ideal_cached_tokens"] for r in later)
     assert ideal > 0 and sum(r["cached_store_tokens"] or 0 for r in later) >= 0.5 * ideal
-    assert sum(r["cached_tokens"] for r in later) >= ideal
+    # the ideal counts the earlier turns' generated ids too; item 4 may recompute a store run it finds slow
+    assert sum(r["cached_tokens"] for r in later) >= 0.8 * ideal
     assert all("mooncake=" in (r["cached_storage_backend"] or "") for r in later if r["cached_store_tokens"])
     summary = json.loads((tmp_path / "summary.json").read_text())
     for s in summary["systems"]:  # the router's per-worker counts add up to the requests sent
