@@ -312,6 +312,10 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
         store_config: The backend's config as JSON text (``--hiradix-store-config``).
         store_threads: Store jobs run concurrently, on their own threads (a slow store never
             delays NVMe jobs).
+        store_call_limit_s: A store backend call running longer than this, in seconds, means
+            a wedged store client: the worker exits (exit status ``WEDGED_STORE_EXIT_CODE`` in
+            :mod:`hiradix.io.worker`) so its client fails the jobs and respawns it. 0 (the
+            default): ``max(60 s, 4 x`` the backend's ``call_deadline_s``).
         tp_rank: The TP rank this worker serves (names it in logs; test faults may target one).
         store_writer: False: PUTs report success without writing (another rank writes the same
             bytes under the same keys: MLA under TP, ``fingerprint.is_store_writer``); GETs and
@@ -331,6 +335,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     store_backend: str = ""
     store_config: str = ""
     store_threads: int = 2
+    store_call_limit_s: float = 0.0
     tp_rank: int = 0
     store_writer: bool = True
 

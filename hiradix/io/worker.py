@@ -12,7 +12,11 @@ on a thread pool of ``spec.threads`` so reads and writes overlap, and ``PutStore
 pool takes its waiting jobs by priority (``LoadPages.priority``: reads a request waits for, then
 reads for queued requests, then writes and reads for predicted returns), so a read near
 admission never queues behind background writes. Every
-store call is bounded by the backend's own RPC timeout (``--hiradix-store-config``). It validates every
+store call is bounded by the backend's own RPC timeout (``--hiradix-store-config``); a call that
+runs past ``spec.store_call_limit_s`` anyway (a wedged client: Mooncake's TCP transport can
+deadlock inside a put) makes the worker exit with ``WEDGED_STORE_EXIT_CODE``, as the only way to
+drop the wedged client and anything it might still write into DRAM; the I/O client then fails
+the worker's jobs (the core releases their pages) and starts a fresh one. It validates every
 message: a malformed one is answered with ``Rejected`` and the loop goes on. It exits on
 ``Shutdown`` (running jobs finish; queued ones fail) or when ``spec.parent_pid`` is no longer
 its parent (checked every ``PARENT_POLL_S``); SIGINT is ignored (the parent decides).
@@ -100,6 +104,9 @@ logger = logging.getLogger(__name__)
 LOG_LEVEL_ENV = "HIRADIX_LOG_LEVEL"  # the worker's logging level name, WARNING by default
 PARENT_POLL_S = 0.2  # how often the loop checks that the parent is alive, in seconds
 ACK_LINGER_S = 2.0  # how long queued replies may take to leave at exit, in seconds
+WEDGED_STORE_EXIT_CODE = 3  # exit status after a store call ran past spec.store_call_limit_s
+STORE_CALL_LIMIT_MIN_S = 60.0  # the derived store call limit is at least this, in seconds
+STORE_CALL_LIMIT_FACTOR = 4.0  # ... and at least this many times the backend's call_deadline_s
 
 
 class Worker:
@@ -149,6 +156,7 @@ class Worker:
         self.requests = PullQueue(self.ctx, jobs_addr, decode_request)
         self.executor = PriorityExecutor(spec.threads, thread_name_prefix="hiradix-io")
         self.store_executor = ThreadPoolExecutor(spec.store_threads, thread_name_prefix="hiradix-store")
+        self.store_call_limit_s = spec.store_call_limit_s or _derived_call_limit_s(self.cluster)
         self.stop = threading.Event()  # set by Shutdown: cuts fault delays short
         self.lock = threading.Lock()  # guards in_flight
         self.in_flight: set[int] = set()  # job ids taken in and not yet answered
@@ -159,7 +167,8 @@ class Worker:
         """Run until Shutdown or the parent's death.
 
         Returns:
-            The process exit status: 0 on Shutdown, 1 when the parent is gone.
+            The process exit status: 0 on Shutdown, 1 when the parent is gone,
+            ``WEDGED_STORE_EXIT_CODE`` when a store call ran past ``store_call_limit_s``.
         """
         poller = zmq.Poller()
         poller.register(self.requests.socket, zmq.POLLIN)
@@ -167,6 +176,8 @@ class Worker:
             if os.getppid() != self.spec.parent_pid:
                 logger.warning("parent %d is gone; exiting", self.spec.parent_pid)
                 return 1
+            if self._store_wedged():
+                return WEDGED_STORE_EXIT_CODE
             if not poller.poll(int(PARENT_POLL_S * 1000)):
                 continue
             while True:
@@ -181,6 +192,17 @@ class Worker:
                 if isinstance(msg, Shutdown):
                     return 0
                 self._handle(msg)
+
+    def _store_wedged(self) -> bool:
+        """Whether the store backend's running call has taken longer than its limit (one error)."""
+        running = getattr(self.cluster, "call_running_s", None)
+        took_s = running() if running is not None else 0.0
+        if took_s <= self.store_call_limit_s:
+            return False
+        logger.error("a cluster-store call has run for %.1f s (limit %.1f s): the store client is wedged; exiting "
+                     "so that the I/O client fails this worker's %d jobs and starts a fresh one",
+                     took_s, self.store_call_limit_s, len(self.in_flight))
+        return True
 
     def _handle(self, msg: StorePages | LoadPages | Ping) -> None:
         """Answer a Ping, or validate and dispatch a job; never raises on a bad job."""
@@ -282,6 +304,12 @@ class Worker:
             self.pool.close()
 
 
+def _derived_call_limit_s(cluster) -> float:
+    """The store call limit when the spec gives none: far past the backend's own deadlines."""
+    deadline_s = getattr(getattr(cluster, "config", None), "call_deadline_s", 0.0)
+    return max(STORE_CALL_LIMIT_MIN_S, STORE_CALL_LIMIT_FACTOR * deadline_s)
+
+
 def _open_cluster_store(spec: WorkerSpec, pool: DramPool):
     """The spec's cluster-store backend, with the DRAM arena registered for zero-copy transfers."""
     from hiradix.tiers.store import StoreConfig, make_backend
@@ -318,6 +346,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     replies.put(Ready(pid=os.getpid()))
     status = worker.serve()
+    if status == WEDGED_STORE_EXIT_CODE:
+        # The wedged call's thread never ends, so neither would a normal exit (it joins the
+        # pool's threads); send what finished, then leave at once.
+        worker.stop.set()
+        replies.close(linger_s=ACK_LINGER_S)
+        os._exit(status)
     worker.close(graceful=status == 0)
     replies.close(linger_s=ACK_LINGER_S if status == 0 else 0.0)
     return status

@@ -70,6 +70,11 @@ class StoreBackend(Protocol):
         """Leave the store; idempotent. Later calls return False for every key."""
         ...
 
+    def call_running_s(self) -> float:
+        """Seconds the backend call running now has taken (0.0: none), read from another
+        thread; the I/O worker gives up on a client whose call runs far past its timeouts."""
+        ...
+
 
 BackendFactory = Callable[["StoreConfig"], StoreBackend]
 BackendProbe = Callable[["StoreConfig", float], Optional[str]]

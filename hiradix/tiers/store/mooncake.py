@@ -22,6 +22,13 @@ master killed -> -900; frozen -> -901 after ``rpc_timeout_ms``; holder killed ->
 ``exists`` still says present for ~10 s (until the master's client TTL lapses); pool full ->
 put -200; a put of an existing key succeeds and keeps the first object.
 
+A wedged client: under two clients putting into a full store, a put can block forever inside
+Mooncake's TCP transport (``TcpTransport::startTransfer`` -> ``ClientSession::refreshProgressDeadline``
+waits on asio's ``epoll_reactor`` mutex; no deadline applies), and since calls are serialized every
+later call waits behind it. :meth:`MooncakeStore.call_running_s` says how long the running call
+has taken; the I/O worker exits past its limit (its process holds the wedged client), and the
+I/O client fails its jobs and starts a fresh worker.
+
 The ``mooncake`` package is imported inside functions only, so hiradix imports without it.
 """
 
@@ -56,6 +63,7 @@ CLOSE_TIMEOUT_S = 10.0  # MooncakeStore.close waits at most this long for the cl
 ERROR_NAMES: dict[int, str] = {
     -200: "no space in the store",
     -600: "invalid parameters (object size differs)",
+    -703: "replica not ready (another client's put of the key is still running)",
     -704: "object not found",
     -800: "transfer failed (holder unreachable or stalled)",
     -900: "master unreachable",
@@ -138,6 +146,7 @@ class MooncakeStore:
         self._lock = threading.Lock()
         self._regions: list[tuple[int, int]] = []
         self._master_down = False
+        self._call_started_s: Optional[float] = None  # monotonic start of the Mooncake call running now
         os.environ.update(mooncake_env(config))
         from mooncake.store import MooncakeDistributedStore  # lazy: the wheel is optional
 
@@ -215,6 +224,12 @@ class MooncakeStore:
         """
         check_keys(keys, len(keys))
         return self._batched(keys, lambda lo, hi: self._exists_chunk(keys[lo:hi]))
+
+    def call_running_s(self) -> float:
+        """Seconds the Mooncake call running now has taken; 0.0 when none runs. Thread-safe
+        (no lock: it is read while a call holds it)."""
+        started = self._call_started_s
+        return 0.0 if started is None else max(0.0, time.monotonic() - started)
 
     def close(self) -> None:
         """Leave the store (objects in this client's own segment go with it); idempotent.
@@ -298,11 +313,14 @@ class MooncakeStore:
         return None
 
     def _call(self, method: str, *args: Any) -> Optional[list[int]]:
+        self._call_started_s = time.monotonic()
         try:
             return list(getattr(self._store, method)(*args))
         except Exception as exc:  # noqa: BLE001 - a store failure is a miss, never a crash
             logger.warning("Mooncake %s raised %s: %s", method, type(exc).__name__, exc)
             return None
+        finally:
+            self._call_started_s = None
 
     def _count(self, codes: list[int]) -> None:
         for code in codes:
