@@ -182,10 +182,10 @@ FLAGS: tuple[FlagSpec, ...] = (
     FlagSpec("store_write_policy", "store_write_policy", str, "write_through",
              "When KV is put into the store: write_through (once in DRAM) or write_back (once it left HBM).",
              choices=lambda: list(STORE_WRITE_POLICIES)),
-    FlagSpec("store_read", "store_read", str, "auto",
-             "Which store hits are read: auto (a hit is read only while reading it is faster than prefilling "
-             "it again, by this server's measured store bandwidth and prefill rate), always, or never "
-             "(recompute; the store is still written).",
+    FlagSpec("store_read", "store_read", str, "always",
+             "Which store hits are read: always, auto (a hit is read only while reading it is faster than "
+             "prefilling it again, by this server's measured store bandwidth and prefill rate; opt-in: its "
+             "bandwidth estimate reads low on small GETs), or never (recompute; the store is still written).",
              choices=lambda: list(STORE_READ_MODES)),
     FlagSpec("mla_host_copy", "mla_host_copy", str, "node",
              "MLA model under TP (every rank holds the same latent): node = one DRAM pool and NVMe tier per "

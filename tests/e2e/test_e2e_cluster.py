@@ -336,3 +336,16 @@ def test_store_faults_degrade_to_recompute_and_the_tier_comes_back(pair, store):
             break
     assert from_store(again) > 0 and again["text"] == first["text"]
     assert metric(a.base_url, "sglang:hiradix_store_enabled") == 1
+
+
+def test_servers_measure_store_reads_and_prefill_for_load_or_recompute(pair):
+    """Issue 19 item 4: each server exports its moving estimates (kept in every --hiradix-store-read
+    mode); with the default, always, the store hits above were read, none skipped as slow."""
+    for server in pair:
+        read_bytes_per_s = metric(server.base_url, "sglang:hiradix_store_read_bytes_per_s")
+        prefill_tokens_per_s = metric(server.base_url, "sglang:hiradix_prefill_tokens_per_s")
+        assert 1e6 < read_bytes_per_s < 1e11, read_bytes_per_s  # measured from this module's GETs
+        assert 100 < prefill_tokens_per_s < 1e8, prefill_tokens_per_s  # from its extend batches
+        gets = metric(server.base_url, "sglang:hiradix_store_pages_total", op="get")
+        skipped = metric(server.base_url, "sglang:hiradix_store_pages_total", op="skipped_slow")
+        assert gets > 0 and skipped == 0, (gets, skipped)

@@ -720,10 +720,11 @@ def test_config_errors_name_the_flag(kwargs, message):
 
 
 def test_store_read_flag(monkeypatch, capsys):
-    """Issue 19: --hiradix-store-read auto|always|never (default auto); a bad value stops the parser
+    """Issue 19: --hiradix-store-read always|auto|never (default always); a bad value stops the parser
     (before any model loads) with a message naming the flag."""
     store = dict(store="mooncake", store_config='{"master_server_address": "127.0.0.1:1"}')
-    assert HiRadixConfig.from_flags(**store).store_read == "auto"
+    assert HiRadixConfig.from_flags(**store).store_read == "always"
+    assert HiRadixConfig.from_flags(**store, store_read="auto").store_read == "auto"
     assert HiRadixConfig.from_flags(**store, store_read="never").store_read == "never"
     assert "read never" in HiRadixConfig.from_flags(**store, store_read="never").summary()
     with pytest.raises(HiRadixConfigError, match=r"--hiradix-store-read must be one of \['auto', 'always', 'never'\]"):
