@@ -177,8 +177,9 @@ class TierMetrics:
             for op in STORE_OPS:
                 count = store.reads.skipped_pages if op == "skipped_slow" else store.counts[_STORE_COUNT[op]]
                 self._advance("sglang:hiradix_store_pages_total", count, op)
-            self._set("sglang:hiradix_store_read_bytes_per_s", store.reads.read.per_s or 0.0)
-            self._set("sglang:hiradix_prefill_tokens_per_s", store.reads.prefill.per_s or 0.0)
             self._advance("sglang:hiradix_store_switch_offs_total", store.counts["switch_offs"])
+        # exported from the start like every series (0 without a store or before a sample)
+        self._set("sglang:hiradix_store_read_bytes_per_s", (store.reads.read.per_s if store is not None else 0.0) or 0.0)
+        self._set("sglang:hiradix_prefill_tokens_per_s", (store.reads.prefill.per_s if store is not None else 0.0) or 0.0)
         self._advance("sglang:hiradix_store_used_tokens_total", stats.store_tokens["used"])
         self._set("sglang:hiradix_store_enabled", int(store is not None and store.enabled))
