@@ -180,20 +180,22 @@ SGL_CASES = {
 def sglang_rope(monkeypatch: pytest.MonkeyPatch):
     """SGLang's get_rope on a CPU-only machine: the CPU engine path (no vllm fallback kernel)."""
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")  # read by sglang's is_cpu() at import and in get_device()
-    from sglang.srt.layers.rotary_embedding import base, get_rope
+    from sglang.srt.layers.rotary_embedding import base, get_rope_wrapper
 
     monkeypatch.setattr(base, "_is_cpu", True)  # whichever module imported sglang first
-    return get_rope
+    return get_rope_wrapper
 
 
-def _build_sglang(get_rope, cfg: dict, kwargs: dict):
+def _build_sglang(get_rope_wrapper, cfg: dict, kwargs: dict):
+    """SGLang's rotary embedding for cfg; DeepSeek as its CPU path builds it (get_rope_cpu, device="cpu")."""
     spec = rope_shift_from_config(cfg)
     head = spec.rotary_dim if spec.rotary_offset else cfg["hidden_size"] // cfg["num_attention_heads"]
     rs = dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else None
     if spec.rotary_offset and rs:
         rs["rope_type"] = "deepseek_yarn"
-    emb = get_rope(head, spec.rotary_dim, cfg["max_position_embeddings"], cfg["rope_theta"],
-                   rope_scaling=rs, dtype=torch.float32, **kwargs)  # fmt: skip
+        kwargs = {**kwargs, "device": "cpu"}
+    emb = get_rope_wrapper(head, spec.rotary_dim, cfg["max_position_embeddings"], cfg["rope_theta"],
+                           rope_scaling=rs, dtype=torch.float32, **kwargs)  # fmt: skip
     return spec, emb, head
 
 
