@@ -260,3 +260,19 @@ def test_plan_keeps_a_parent_whose_child_the_store_still_holds():
     # once the child's record is forgotten too, it is deleted and the parent may go
     tree.detach(child, Tier.STORE)
     assert tree.plan_evict(Tier.DRAM, 1, allow_sole=True) == [parent]
+
+
+def test_nvme_keeps_a_parent_while_a_child_is_on_nvme():
+    """NVMe copies go children first, also when the store or DRAM holds the parent too: an NVMe
+    page whose parent left NVMe is an orphan after a restart (found by the TP 2 MLA restart
+    test: a 24-slot NVMe tier re-indexed 0 pages, 24 orphans, after the store let inner nodes go)."""
+    tree = make_tree(page_size=2)
+    parent = tree.add_child(tree.root, [1, 2], None, Tier.NVME, [0])
+    tree.attach(parent, Tier.STORE, ["k-parent"])
+    tree.attach(parent, Tier.DRAM, [20])
+    child = tree.add_child(parent, [3, 4], None, Tier.NVME, [1])
+    assert tree.plan_evict(Tier.NVME, 2, allow_sole=True) == [child]
+    tree.detach(child, Tier.NVME)
+    tree.check_integrity()
+    assert tree.plan_evict(Tier.NVME, 1, allow_sole=True) == [parent]  # its last NVMe child is gone
+    assert tree.plan_evict(Tier.DRAM, 1, allow_sole=True) == [parent]  # other tiers keep their rules

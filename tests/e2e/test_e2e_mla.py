@@ -130,15 +130,21 @@ def from_store(r: dict) -> int:
     return int(m.group(1)) if m else 0
 
 
-def test_turns_moved_to_the_other_server_hit_through_the_store(mla_servers):
+def test_turns_moved_to_the_other_server_hit_through_the_store(mla_servers, store):
     a, b, stock = mla_servers["hiradix-v2a"], mla_servers["hiradix-v2b"], mla_servers["stock-v2"]
     histories = [[SYSTEM] for _ in range(ROUTED_SESSIONS)]
     got: list[list[dict]] = [[] for _ in range(ROUTED_SESSIONS)]
+    keys_before = store.key_count()
     for t in range(TURNS):
         for s in range(ROUTED_SESSIONS):
             histories[s].append({"role": "user", "content": user_turn(100 + s, t, WORDS)})
             got[s].append(chat((a, b)[(s + t) % 2].base_url, histories[s]))
             histories[s].append({"role": "assistant", "content": got[s][-1]["text"]})
+        # PUTs are asynchronous (write-through once a page is in DRAM): the next turn moves to the
+        # other server once the store holds this round's prompts (a shared first page per session
+        # may have been there before), as a user's think time would let it.
+        pages = sum(session[-1]["prompt_tokens"] // PAGE_TOKENS - 1 for session in got)
+        settled(lambda: store.key_count() - keys_before, lambda n: n >= pages, timeout_s=30.0)
     expected = run_sessions(stock.base_url, ROUTED_SESSIONS, TURNS, WORDS, first_session=100)
     assert_same_outputs(got, expected)
     first_cross = [session[1] for session in got]  # the other server never saw these sessions
