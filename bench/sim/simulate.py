@@ -42,6 +42,7 @@ moderate, NVMe holding everything, as in CachedAttention, whose LRU shape (HBM o
     .venv/bin/python bench/sim/simulate.py                          # all nine + infinite
     .venv/bin/python bench/sim/simulate.py --sweep                  # hit rate vs capacity, Belady (bench/sim/sweep.py)
     .venv/bin/python bench/sim/simulate.py --trace my.jsonl --page-size 16 --hbm-tokens 1e6
+    .venv/bin/python bench/sim/simulate.py --context-tokens 8192 --context-overflow shift  # bench/sim/overflow.py
 
 Outputs under ``--out-dir`` (default ``runs/simulate-<time>/``): ``simulate.json`` and
 ``simulate.png`` (hit rate per scenario, split by tier).
@@ -69,6 +70,7 @@ if __package__ in (None, ""):  # run as a script: make `hiradix` and `bench` imp
 
 from bench.sim.offline import infinite_hit_rates  # noqa: E402,F401 - re-exported (tests, sweep)
 from bench.sim.cost import check_load_policy, plan_load, time_saved  # noqa: E402
+from bench.sim.overflow import ConversationCuts, alloc_for_shift, apply_shift, check_overflow_config  # noqa: E402
 from bench.sim.parallel import run_all  # noqa: E402
 from bench.sim.report import format_table, plot  # noqa: E402
 from bench.sim.sweep import DEFAULT_FRACTIONS, sweep_main  # noqa: E402
@@ -125,11 +127,16 @@ class SimConfig:
     load_overlap: bool = False  # reads overlap the prefill of the rest (AttentionStore 3.3); off: store and NVMe
     # pages land in DRAM before admission, as hiradix reads them today
     load_policy: str = "worth"  # worth (load or recompute), always (read every hit), never (recompute below HBM)
+    # Context overflow (bench/sim/overflow.py, AttentionStore 3.4; issue 20): None = unlimited (nothing is cut).
+    context_tokens: Optional[int] = None  # the model's context length, tokens (prompt + output must fit)
+    context_overflow: str = "recompute"  # recompute (the kept tail is prefilled again) or shift (its KV re-used)
+    context_drop_ratio: float = 0.5  # share of the tokens after the kept head dropped per cut
 
     def __post_init__(self) -> None:
         if not 1 <= self.page_size <= BLOCK_TOKENS or BLOCK_TOKENS % self.page_size:
             raise ValueError(f"--page-size must divide {BLOCK_TOKENS}, got {self.page_size}")
         check_load_policy(self.load_policy)
+        check_overflow_config(self.context_tokens, self.context_overflow, self.context_drop_ratio)
         for name in ("hbm_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "max_running", "time_scale"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -225,6 +232,8 @@ class SimRequest:
     admitted_s: float = 0.0
     service_s: float = 0.0  # modelled prefill time (reads + prefill of the rest), seconds
     queued: Optional[QueuedKey] = None  # the look-ahead's key and last peek (built at arrival)
+    overflow: Optional[object] = None  # its bench.sim.overflow.OverflowView (a context limit is set)
+    shifted_len: int = 0  # tree tokens after the hit re-used by a context shift (new slots, not prefilled)
 
     def __post_init__(self) -> None:
         self.queued = QueuedKey(self.key)
@@ -296,6 +305,7 @@ class Engine:
         self.next_arrival = 0
         self.retry_s: Optional[float] = None  # a skipped request's reads may land by then
         self.finished = 0
+        self.overflow = ConversationCuts(trace, cfg) if cfg.context_tokens else None
 
     # ------------------------------------------------------------ loop
     def run(self, on_finished: Optional[Callable[[int], None]] = None) -> Counters:
@@ -349,13 +359,15 @@ class Engine:
     # ------------------------------------------------------------ requests
     def _arrive(self, idx: int) -> None:
         tr, cfg = self.trace[idx], self.cfg
-        key = make_key(tr, cfg)
+        view = self.overflow.view(idx, lambda t: make_key(t, cfg)) if self.overflow else None
+        tr, key = (view.trace, view.key) if view else (tr, make_key(tr, cfg))
+        too_long = self.overflow is not None and view is None  # no cut fits the context: refused
         scratch_tokens = tr.input_len - cached_len(tr, cfg.page_size) + tr.output_len
         scratch_pages = -(-scratch_tokens // cfg.page_size)
-        req = SimRequest(idx, tr, key, scratch_pages * cfg.page_size // cfg.unit_tokens)
+        req = SimRequest(idx, tr, key, scratch_pages * cfg.page_size // cfg.unit_tokens, overflow=view)
         self.counters.requests += 1
         self.counters.prompt_tokens += tr.input_len
-        if len(key) + req.scratch_len > self.device.capacity_tokens:
+        if too_long or len(key) + req.scratch_len > self.device.capacity_tokens:
             self.counters.rejected += 1
             self.counters.block_refs += len(tr.hash_ids)
             self.finished += 1
@@ -382,7 +394,7 @@ class Engine:
                 break
             self.waiting.remove(req)
             self.batch.append(req)
-            batch_tokens += (len(req.key) - req.protected_len) * cfg.unit_tokens + req.trace.input_len % cfg.page_size
+            batch_tokens += (len(req.key) - req.protected_len - req.shifted_len) * cfg.unit_tokens + req.trace.input_len % cfg.page_size
         if self.batch:
             self.cache.start_loading()
             work_s = sum(r.service_s for r in self.batch) if cfg.cost_model else batch_tokens / cfg.prefill_tokens_per_s
@@ -405,7 +417,7 @@ class Engine:
             tree.inc_lock(last)
             tree.dec_lock(m.hbm_node)
         hit = m.hbm_len + loaded
-        new = cache.alloc_device(len(req.key) - hit + req.scratch_len)
+        new, source = alloc_for_shift(cache, req.overflow, hit, len(req.key) - hit + req.scratch_len)
         if new is None:
             tree.dec_lock(last)
             return False
@@ -415,6 +427,8 @@ class Engine:
         req.served = (m.hbm_len, loaded - storage, storage)
         u, rate = self.cfg.unit_tokens, self.cfg.prefill_tokens_per_s
         req.service_s = plan.service_s(hit * u) if plan else (req.trace.input_len - hit * u) / rate
+        if source is not None:  # context shift: the kept tail's cached KV is copied, not prefilled
+            apply_shift(self.cfg, tree, req, plan, hit, self.overflow.counts, source)
         self.counters.recomputed_hit_tokens += (plan.cached_tokens - hit * u) if plan else 0
         self._count_hits(req, m)
         return True
@@ -423,9 +437,9 @@ class Engine:
         c, u = self.counters, self.cfg.unit_tokens
         for tier, n in enumerate(req.served):
             c.hit_tokens[tier] += n * u
-        hit_tokens = req.protected_len * u
+        hit_tokens = (req.protected_len + req.shifted_len) * u
         c.strict_dram_tokens += max(0, min(req.protected_len, req.fast_len) - m.hbm_len) * u
-        c.ready_tokens += min(req.protected_len, req.fast_len) * u
+        c.ready_tokens += (min(req.protected_len, req.fast_len) + req.shifted_len) * u
         c.nvme_unready_tokens += m.nvme_len * u
         if m.nvme_len:
             read_s = m.nvme_len // self.tree.page_size * self.cfg.page_bytes / self.cfg.nvme_read_bytes_per_s
@@ -514,6 +528,8 @@ def run_scenario(
         out["wasted_prefetch_tokens"] = tiers.books.wasted_prefetch_tokens * cfg.unit_tokens
         out["read_ahead_tokens"] = {k: v * cfg.unit_tokens for k, v in tiers.stats.read_ahead_tokens.items()}
         out["read_ahead_tokens"]["trust"] = tiers.reads_ahead.trust
+    if engine.overflow is not None:
+        out["overflow"] = dict(engine.overflow.counts, context_tokens=cfg.context_tokens, mode=cfg.context_overflow)
     model = engine.tree.policy.describe()
     if model:
         out["policy_model"] = model
@@ -550,6 +566,8 @@ def add_sim_config_args(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=getattr(d, f.name))
         elif f.type == "str":
             p.add_argument(flag, default=getattr(d, f.name))
+        elif f.type == "Optional[int]":  # "none" = unset
+            p.add_argument(flag, type=lambda s: None if s.lower() == "none" else int(float(s)), default=getattr(d, f.name))
         else:
             kind = int if f.type == "int" else float
             p.add_argument(flag, type=lambda s, k=kind: k(float(s)), default=getattr(d, f.name))

@@ -12,6 +12,7 @@ import json
 import pytest
 
 from bench.sim.offline import belady_hit_rate, lru_hit_rate
+from bench.sim.overflow import ConversationCuts
 from bench.sim.simulate import BLOCK_TOKENS, Engine, SimConfig, infinite_hit_rates, load_trace, main, run_scenario
 from hiradix.testing.sim_ports import SimClock, SimDevicePool, SimIOClient
 from hiradix.io.protocol import LoadPages, StorePages
@@ -266,3 +267,102 @@ def test_selective_write_through_backs_up_only_what_is_hit_again(tmp_path):
     selective = run_scenario(trace, ample(write_selective=True, **small), "nvme", "lru")
     assert 0 < selective["bytes_moved"]["BACKUP"] < full["bytes_moved"]["BACKUP"]
     assert sum(selective["hit_tokens"].values()) < sum(full["hit_tokens"].values())
+
+
+# ---------------------------------------------------------------- context overflow (issue 20, item 6)
+def overflow_trace(tmp_path):
+    """3 conversations behind the shared block 0 (the head); full 512-token blocks, no output; 10 s apart.
+
+    X: [0,x1,x2] -> [0,x1..x4] -> [0,x1..x6] -> [0,x1..x7] -> [0,x1..x8]; Y: [0,y1] -> [0,y1..y3];
+    Z: [0,z1..z6] -> [0,z1..z7]. Arrival order X1 Y1 Z1 X2 Y2 Z2 X3 X4 X5.
+    """
+    x = [0] + [100 + k for k in range(1, 9)]
+    y = [0, 201, 202, 203]
+    z = [0] + [300 + k for k in range(1, 8)]
+    turns = [x[:3], y[:2], z[:7], x[:5], y[:4], z[:8], x[:7], x[:8], x[:9]]
+    return write_trace(tmp_path / "overflow.jsonl", [(10.0 * i, ids, 0) for i, ids in enumerate(turns)])
+
+
+@pytest.mark.parametrize("tier, policy", [("hbm", "lru"), ("dram", "lookahead"), ("nvme", "predictive")])
+def test_context_overflow_hits_by_hand(tmp_path, tier, policy):
+    # Context 5 blocks (2560 tokens), head = block 0, drop half of the rest in whole pages (at least the overflow).
+    #   X1 [0,x1,x2]: miss (0)        Y1 [0,y1]: 0 hits (1)        Z1 [0,z1..z6] 7 > 5: drop z1..z3,
+    #   sends [0,z4,z5,z6]: head hits (1), no source cached.        X2 [0,x1..x4] 5: hits [0,x1,x2] (3)
+    #   Y2 [0,y1..y3]: (2)            Z2 = Z1's cut + z7 = [0,z4..z7] 5: a normal prefix of Z1's branch (4)
+    #   X3 [0,x1..x6] 7 > 5: drop x1..x3, sends [0,x4,x5,x6]; recompute: head only (1);
+    #      shift: head + x4, cached at its old position by X2 (2).
+    #   X4 = [0,x4..x7] 5: X3's branch (4)    X5 = [0,x4..x8] 6 > 5: rest 5 blocks, drop 3 (x4..x6),
+    #      sends [0,x7,x8]; recompute (1); shift: head + x7 from X4 (2).
+    # Blocks sent: 3+2+4+5+4+5+4+5+3 = 35; hits 17 (recompute), 19 (shift); 3 cuts of 3 blocks.
+    trace = load_trace(overflow_trace(tmp_path))
+    out = {}
+    for mode in ("recompute", "shift"):
+        r = run_scenario(trace, ample(context_tokens=5 * BLOCK_TOKENS, context_overflow=mode), tier, policy)
+        assert r["prompt_tokens"] == 35 * BLOCK_TOKENS and r["requests"] == 9 and r["rejected"] == 0
+        assert r["overflow"]["overflowed_requests"] == 3 and r["overflow"]["dropped_tokens"] == 9 * BLOCK_TOKENS
+        out[mode] = r
+    assert sum(out["recompute"]["hit_tokens"].values()) == 17 * BLOCK_TOKENS
+    assert out["recompute"]["overflow"]["shifted_tokens"] == 0
+    assert out["shift"]["hit_tokens"] == {"hbm": 19 * BLOCK_TOKENS, "dram": 0, "nvme": 0}
+    assert out["shift"]["overflow"]["shifted_tokens"] == 2 * BLOCK_TOKENS
+    cuts = ConversationCuts(trace, ample(context_tokens=5 * BLOCK_TOKENS))
+    assert cuts.head_blocks == 1 and cuts.continuing == 6  # X2..X5, Y2, Z2
+    assert cuts.shift_bound_tokens() == 2 * BLOCK_TOKENS  # the ample cache shifts all it could
+    # no cost model: time saved = hit tokens / prefill rate
+    assert out["shift"]["time_saved_s"] - out["recompute"]["time_saved_s"] == pytest.approx(2 * BLOCK_TOKENS / 50_000)
+    # unlimited context: X3..X5 and Z hit their whole history: 0+1+1+3+2+7+5+7+8 = 34 of 53 blocks
+    ref = run_scenario(trace, ample(), tier, policy)
+    assert ref["prompt_tokens"] == 53 * BLOCK_TOKENS and sum(ref["hit_tokens"].values()) == 34 * BLOCK_TOKENS
+    assert "overflow" not in ref
+
+
+@pytest.mark.parametrize("hbm_pages, shifted_blocks", [(6, 0), (7, 1)])
+def test_context_shift_reuses_only_what_is_still_cached(tmp_path, hbm_pages, shifted_blocks):
+    # A small HBM (LRU, no lower tier). 6 pages: Y2 and Z2 evict X2's [x1..x4] before X3 (nothing
+    # to shift); at X5 the old path [0,x4..x7] (5 pages, locked while copied) plus the 2 new pages
+    # do not fit, so X5 recomputes too: shift = recompute. 7 pages: X5's x7 is shifted.
+    trace = load_trace(overflow_trace(tmp_path))
+    small = dict(hbm_tokens=hbm_pages * BLOCK_TOKENS, context_tokens=5 * BLOCK_TOKENS)
+    rec = run_scenario(trace, ample(context_overflow="recompute", **small), "hbm", "lru")
+    shift = run_scenario(trace, ample(context_overflow="shift", **small), "hbm", "lru")
+    assert shift["overflow"]["shifted_tokens"] == shifted_blocks * BLOCK_TOKENS
+    assert sum(shift["hit_tokens"].values()) - sum(rec["hit_tokens"].values()) == shifted_blocks * BLOCK_TOKENS
+
+
+@pytest.mark.parametrize("tier", ["hbm", "nvme"])
+def test_a_context_nothing_reaches_changes_nothing(tmp_path, tier):
+    trace = load_trace(chat_trace(tmp_path))
+    small = dict(hbm_tokens=6 * BLOCK_TOKENS, dram_tokens=4 * BLOCK_TOKENS, cost_model=True)
+    base = run_scenario(trace, ample(**small), tier, "lru")
+    wide = run_scenario(trace, ample(context_tokens=1 << 20, context_overflow="shift", **small), tier, "lru")
+    assert wide.pop("overflow") == {"overflowed_requests": 0, "dropped_tokens": 0, "shifted_tokens": 0, "too_long": 0,
+                                    "context_tokens": 1 << 20, "mode": "shift"}
+    for r in (base, wide):
+        r.pop("wall_s")
+    assert wide == base
+
+
+def test_context_flags_and_too_long_prompts(tmp_path):
+    from bench.sim.simulate import parse_args, sim_config_from_args
+
+    cfg = sim_config_from_args(parse_args(["--context-tokens", "8192", "--context-overflow", "shift"]))
+    assert (cfg.context_tokens, cfg.context_overflow, cfg.context_drop_ratio) == (8192, "shift", 0.5)
+    assert sim_config_from_args(parse_args([])).context_tokens is None
+    with pytest.raises(ValueError, match="recompute, shift"):
+        SimConfig(context_overflow="noshift")
+    # an output as long as the context leaves no room for any prompt: refused, counted
+    trace = load_trace(write_trace(tmp_path / "t.jsonl", [(0, [0, 1], 2048), (1, [0, 2], 4)]))
+    r = run_scenario(trace, ample(context_tokens=2048), "hbm", "lru")
+    assert r["overflow"]["too_long"] == 1 and r["rejected"] == 1 and r["requests"] == 2
+
+
+def test_overflow_report_prints_the_table_and_writes_json(tmp_path, capsys):
+    from bench.sim import overflow_report
+
+    argv = ["--trace", str(overflow_trace(tmp_path)), "--contexts", str(5 * BLOCK_TOKENS), "--dram-tokens", "32768",
+            "--hbm-tokens", "32768", "--out-dir", str(tmp_path / "out")]
+    assert overflow_report.main(argv) == 0
+    rows = json.loads((tmp_path / "out" / "overflow.json").read_text())["rows"]
+    assert [(r["context_tokens"], r["mode"]) for r in rows] == [(None, "unlimited"), (2560, "recompute"), (2560, "shift")]
+    assert [r["prefill_tokens"] // BLOCK_TOKENS for r in rows] == [53 - 34, 35 - 17, 35 - 19]  # as by hand above
+    assert "| 0.032768 M | 2,560 | shift | 3 (33.3%)" in capsys.readouterr().out
