@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from hiradix.core.policy import make_policy, policy_names
+from hiradix.core.context_overflow import MODES as OVERFLOW_MODES
 from hiradix.core.store_reads import READ_MODES
 
 # The environment variable that carries `HiRadixConfig.to_json()` to child processes.
@@ -187,6 +188,18 @@ FLAGS: tuple[FlagSpec, ...] = (
              "prefilling it again, by this server's measured store bandwidth and prefill rate; opt-in: its "
              "bandwidth estimate reads low on small GETs), or never (recompute; the store is still written).",
              choices=lambda: list(STORE_READ_MODES)),
+    FlagSpec("context_overflow", "context_overflow", str, "off",
+             "A prompt whose length plus its new tokens exceeds the context: off (SGLang's behaviour: refused), "
+             "shift (keep the head, drop the oldest part of the rest, reuse the kept tail's cached KV re-rotated to "
+             "its new positions: AttentionStore §3.4; approximate beyond the first layer), recompute (the same cut, "
+             "the kept tail prefilled again), noshift (a diagnostic: the kept tail's KV at its old positions).",
+             choices=lambda: list(OVERFLOW_MODES)),
+    FlagSpec("keep_tokens", "keep_tokens", int, -1,
+             "With --hiradix-context-overflow: leading tokens kept in place; -1 = the longest leading part "
+             "the tree shows shared with other conversations (a system prompt), else 0.", "TOKENS"),
+    FlagSpec("drop_ratio", "drop_ratio", float, 0.5,
+             "With --hiradix-context-overflow: share of the tokens after the kept head that is dropped "
+             "(at least the overflow; whole pages).", "RATIO"),
     FlagSpec("mla_host_copy", "mla_host_copy", str, "node",
              "MLA model under TP (every rank holds the same latent): node = one DRAM pool and NVMe tier per "
              "attention-TP group on a node, written by its rank 0 and read by every rank ((TP-1)/TP of the host bytes "
@@ -235,6 +248,10 @@ class HiRadixConfig:
             Flag `--hiradix-store-write-policy`.
         store_read: Which store hits are read: "auto" (only while faster than recomputing them,
             `hiradix.core.store_reads`), "always" or "never". Flag `--hiradix-store-read`.
+        context_overflow: What happens to a prompt that overflows the context (``off``, ``shift``,
+            ``recompute``, ``noshift``; :mod:`hiradix.core.context_overflow`). Flag `--hiradix-context-overflow`.
+        keep_tokens: Leading tokens a cut keeps (-1: the tree's shared head). Flag `--hiradix-keep-tokens`.
+        drop_ratio: Share of the rest a cut drops, in (0, 1]. Flag `--hiradix-drop-ratio`.
         mla_host_copy: MLA under TP: "node" (one host copy the ranks of a node share,
             `hiradix.runtime.shared_host_copy`) or "rank" (one per rank). Flag `--hiradix-mla-host-copy`.
     """
@@ -252,6 +269,9 @@ class HiRadixConfig:
     store_config: str = ""
     store_write_policy: str = _default("store_write_policy")
     store_read: str = _default("store_read")
+    context_overflow: str = _default("context_overflow")
+    keep_tokens: int = _default("keep_tokens")
+    drop_ratio: float = _default("drop_ratio")
     mla_host_copy: str = _default("mla_host_copy")
 
     def __post_init__(self) -> None:
@@ -278,6 +298,7 @@ class HiRadixConfig:
                 f"{flag['write_policy']} must be one of {list(WRITE_POLICIES)}, got {self.write_policy!r}"
             )
         self._validate_store()
+        self._validate_overflow()
         timeout = self.load_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
             raise HiRadixConfigError(
@@ -309,6 +330,18 @@ class HiRadixConfig:
                 f"{flag['dram_mode']} staging needs an NVMe tier ({flag['nvme_bytes']} > 0): without one, "
                 "DRAM pages have nowhere to be staged to"
             )
+
+    def _validate_overflow(self) -> None:
+        flag = FLAG_OF_FIELD
+        if self.context_overflow not in OVERFLOW_MODES:
+            raise HiRadixConfigError(
+                f"{flag['context_overflow']} must be one of {list(OVERFLOW_MODES)}, got {self.context_overflow!r}")
+        keep = self.keep_tokens
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < -1:
+            raise HiRadixConfigError(f"{flag['keep_tokens']} must be an int >= 0 (tokens) or -1 (auto), got {keep!r}")
+        ratio = self.drop_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+            raise HiRadixConfigError(f"{flag['drop_ratio']} must be a number in (0, 1], got {ratio!r}")
 
     def dram_bytes_for(self, device_pool_bytes: int) -> int:
         """DRAM tier capacity in bytes, given the device KV pool's size in bytes (all layers, K+V)."""
@@ -377,6 +410,10 @@ class HiRadixConfig:
             )
         if values.get("store_read") is not None and values.get("store") is None:
             raise HiRadixConfigError(f"{FLAG_BY_NAME['store_read'].flag} applies only with {FLAG_BY_NAME['store'].flag}")
+        for name in ("keep_tokens", "drop_ratio"):
+            if values.get(name) is not None and values.get("context_overflow") in (None, "off"):
+                raise HiRadixConfigError(f"{FLAG_BY_NAME[name].flag} applies only with "
+                                         f"{FLAG_BY_NAME['context_overflow'].flag} shift, recompute or noshift")
         if values.get("dram_ratio") is not None:
             if values.get("dram_gb") is not None:
                 raise HiRadixConfigError(
@@ -422,10 +459,12 @@ class HiRadixConfig:
         window = f", lookahead_window={self.lookahead_window}" if make_policy(self.policy).uses_queue else ""
         store = (f"{self.store_backend} ({self.store_write_policy}, read {self.store_read})"
                  if self.has_store_tier else "off")
+        overflow = "" if self.context_overflow == "off" else (
+            f", context_overflow={self.context_overflow} (keep_tokens={self.keep_tokens}, drop_ratio={self.drop_ratio:g})")
         return (
             f"policy={self.policy}{window}, write_policy={self.write_policy}, "
             f"{dram}, dram_mode={self.dram_mode}, nvme={nvme}, store={store}, "
-            f"load_timeout_s={self.load_timeout_s:g}"
+            f"load_timeout_s={self.load_timeout_s:g}{overflow}"
         )
 
 

@@ -77,6 +77,10 @@ SERIES: tuple[Series, ...] = (
            "Moving estimate of the cluster store's read bandwidth into DRAM (0 before a GET)"),
     Series("sglang:hiradix_prefill_tokens_per_s", "gauge",
            "Moving estimate of the prefill rate the load-or-recompute choice uses (0 before a batch)"),
+    Series("sglang:hiradix_context_truncated_tokens_total", "counter",
+           "Prompt tokens dropped from prompts that overflowed the context (--hiradix-context-overflow)"),
+    Series("sglang:hiradix_shifted_tokens_total", "counter",
+           "Cached tokens reused at new positions after a context overflow (re-rotated KV copies)"),
 )  # fmt: skip
 SERIES_BY_NAME = {s.name: s for s in SERIES}
 
@@ -138,13 +142,18 @@ class TierMetrics:
             self.metric[name].labels(**self._labels(SERIES_BY_NAME[name], label_value)).inc(delta)
         self._seen[key] = total
 
-    def update(self, stats: Any, books: Any, tier_tokens: list[int], view: Optional[Any], store: Optional[Any] = None) -> None:
+    def update(self, stats: Any, books: Any, tier_tokens: list[int], view: Optional[Any], store: Optional[Any] = None,
+               overflow: Optional[dict] = None) -> None:
         """Advance counters to the cumulative values in ``stats``/``books``/``store``; set gauges.
 
         Args:
             store: the cluster-store tier (``hiradix.core.store_tier.StoreTier``), or None.
+            overflow: cumulative context-overflow counts (``truncated_tokens``, ``shifted_tokens``), or None.
         """
         self._update_store(store, stats)
+        overflow = overflow or {}
+        self._advance("sglang:hiradix_context_truncated_tokens_total", overflow.get("truncated_tokens", 0))
+        self._advance("sglang:hiradix_shifted_tokens_total", overflow.get("shifted_tokens", 0))
         for kind, value in stats.bytes_moved.items():
             self._advance("sglang:hiradix_moved_bytes_total", value, kind)
             self._advance("sglang:hiradix_moved_tokens_total", value // self.page_bytes * self.page_size, kind)

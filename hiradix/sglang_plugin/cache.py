@@ -58,6 +58,13 @@ def namespace_of(key: RadixKey) -> Optional[tuple]:
     return (key.extra_key, key.cache_salt)
 
 
+def namespace_of_req(req: Req) -> Optional[tuple]:
+    """Tree namespace of a request (see :func:`namespace_of`)."""
+    if req.extra_key is None and req.cache_salt is None:
+        return None
+    return (req.extra_key, req.cache_salt)
+
+
 def request_key(req: Req, page_size: int) -> tuple[Sequence[int], Optional[tuple]]:
     """``(token ids, namespace)`` of a request's whole pages (prompt + output so far)."""
     key = RadixKey(req.origin_input_ids + req.output_ids, req.extra_key, cache_salt=req.cache_salt)
@@ -132,6 +139,7 @@ class TieredRadixCache(BasePrefixCache):
             check_every_step=os.environ.get(CHECK_INTEGRITY_ENV, "0") == "1",
             on_evict=self.update_eviction_metrics,
         )
+        self.overflow = None  # hiradix.sglang_plugin.overflow.ContextOverflow (--hiradix-context-overflow)
         self.tier_metrics = None
         if params.enable_metrics:
             self.init_metrics_collector()
@@ -192,6 +200,8 @@ class TieredRadixCache(BasePrefixCache):
         if len(key) == 0:
             root = self.tree.root
             return MatchResult(0, root, root, root)
+        if self.overflow is not None and params.req is not None:
+            self.overflow.reuse(params.req, key.raw_token_ids(), namespace_of(key))  # a cut prompt's kept tail
         m = self.core.match(key.raw_token_ids(), namespace_of(key))
         return MatchResult(
             device_prefix_len=m.hbm_len,
@@ -234,7 +244,8 @@ class TieredRadixCache(BasePrefixCache):
         self.core.step()
         if self.tier_metrics is not None and self.tiers is not None:
             self.tier_metrics.update(self.tiers.stats, self.tiers.books, self.tree.tier_tokens, self.core.last_view,
-                                     store=self.tiers.store)
+                                     store=self.tiers.store,
+                                     overflow=self.overflow.counts if self.overflow is not None else None)
 
     def note_prefill(self, tokens: int, seconds: float) -> None:
         """An extend batch prefilled ``tokens`` in ``seconds`` (load or recompute's prefill rate)."""
@@ -364,6 +375,13 @@ def create_hiradix_cache(ctx: TreeCacheBuildContext) -> TieredRadixCache:
                     "attn_dp_size": int(getattr(args, "attn_dp_size", 1) or 1)}
     cache = TieredRadixCache(ctx.params, config, kv_pool=kv_pool, tp_rank=ctx.tp_rank, identity=identity,
                          counter_factory=LayerDoneCounter)
+    if config.context_overflow != "off":
+        from hiradix.sglang_plugin.overflow import ContextOverflow, resolve_mode
+
+        mode, rope, why = resolve_mode(config.context_overflow, ctx.model_config.hf_config.to_dict())
+        if why:
+            logger.warning("hiradix: --hiradix-context-overflow %s falls back to recompute: %s", config.context_overflow, why)
+        cache.overflow = ContextOverflow(cache, kv_pool, mode, rope, config.keep_tokens, config.drop_ratio)
     if cache.loader is not None:
         kv_pool.register_layer_transfer_counter(cache.loader)
         ctx.tp_worker.register_hicache_layer_transfer_counter(cache.loader)

@@ -172,6 +172,11 @@ def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -
         refuse(str(e))
     if config.has_store_tier:
         refuse_unreachable_store(config)
+    if config.context_overflow != "off":
+        refuse_context_overflow_with_pd(result)
+        problem = hooks.install_launcher()
+        if problem:
+            refuse(f"--hiradix-context-overflow {config.context_overflow}: {problem}")
 
     setattr(result, CONFIG_ATTR, config)
     if not decode_side:  # a decode server keeps no radix cache: the decode-side offload runs instead
@@ -185,6 +190,15 @@ def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -
     setattr(result, _TURNED_ON_ATTR, tuple(turned_on))
     os.environ[ENV_VAR] = config.to_json()
     return None
+
+
+def refuse_context_overflow_with_pd(server_args: Any) -> None:
+    """A PD pair would cut the prompt twice, on two trees that differ (the decode side keeps none)."""
+    mode = getattr(server_args, "disaggregation_mode", None)
+    if mode not in (None, "null"):
+        refuse(f"--hiradix-context-overflow cannot be combined with --disaggregation-mode {mode} (the prefill and "
+               "decode servers would each cut the prompt, against different trees); serve long conversations "
+               "from a server without PD disaggregation")
 
 
 def _declared_by(server_args: Any, field: str) -> str | None:

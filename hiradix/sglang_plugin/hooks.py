@@ -29,6 +29,10 @@ To add a scheduler hook, append a `HookSpec` to `HOOKS`, e.g.::
         purpose="reap tier-move acks and run the look-ahead each step",
     )
 
+- `Scope.LAUNCHER`: the launcher (tokenizer manager) process only, and only when a flag needs it:
+  `install_launcher()` registers and applies them from the `from_cli_args` hook, after SGLang
+  applied the plugins' hooks (e.g. `--hiradix-context-overflow` lets long prompts through).
+
 The hook function is imported only in processes where its scope applies.
 """
 
@@ -55,6 +59,7 @@ class Scope(enum.Enum):
 
     CLI = "cli"
     SCHEDULER = "scheduler"
+    LAUNCHER = "launcher"  # installed by the launcher itself, once a flag needs it (install_launcher)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +170,20 @@ HOOKS: tuple[HookSpec, ...] = (
         purpose="reap the decode-side offload's PUTs every decode step",
     ),
     HookSpec(
+        target="sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens",
+        hook="hiradix.sglang_plugin.overflow:around_init_req_max_new_tokens",
+        hook_type="around",
+        scope=Scope.SCHEDULER,
+        purpose="cut a prompt that overflows the context before SGLang checks its length (--hiradix-context-overflow)",
+    ),
+    HookSpec(
+        target="sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+        hook="hiradix.sglang_plugin.overflow:around_validate_one_request",
+        hook_type="around",
+        scope=Scope.LAUNCHER,
+        purpose="let a prompt longer than the context reach the scheduler, which cuts it (--hiradix-context-overflow)",
+    ),
+    HookSpec(
         target="sglang.srt.managers.tp_worker.TpModelWorker.get_worker_info",
         hook="hiradix.sglang_plugin.admission:after_get_worker_info",
         hook_type="after",
@@ -210,6 +229,25 @@ def install(specs: tuple[HookSpec, ...] = HOOKS) -> list[HookSpec]:
         HookRegistry.register(spec.target, fn, HookType(spec.hook_type))
         _registered[spec.target] = fn
     return chosen
+
+
+def install_launcher(specs: tuple[HookSpec, ...] = HOOKS) -> str | None:
+    """Register and apply the ``Scope.LAUNCHER`` hooks in this (the launcher's) process, after
+    SGLang applied the plugins' hooks (``HookRegistry.apply_hooks`` skips targets already patched).
+
+    Returns:
+        Why they are not installed (see :func:`describe_missing`), or None.
+    """
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for spec in specs:
+        if spec.scope is Scope.LAUNCHER and spec.target not in _registered:
+            fn = spec.load_hook()
+            HookRegistry.register(spec.target, fn, HookType(spec.hook_type))
+            _registered[spec.target] = fn
+    HookRegistry.apply_hooks()
+    absent = missing(Scope.LAUNCHER, specs)
+    return describe_missing(absent) if absent else None
 
 
 def _target_attribute(target: str) -> object:

@@ -56,9 +56,14 @@ def around_add_one_req(original: Any, adder: Any, req: Any, *args: Any, **kwargs
 def after_get_cached_tokens_details(result: Any, streamer: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
     """Set ``storage_backend`` of a request's ``cached_tokens_details`` to where its storage hits
     came from, e.g. ``"nvme=160,mooncake=320"`` (tokens per source; ``storage`` is their sum)."""
+    from hiradix.sglang_plugin.overflow import details_of
+
     label = getattr(req, "hiradix_storage_backend", None)
+    cut = details_of(req)
+    if cut is not None:  # a prompt cut for the context (--hiradix-context-overflow): say how
+        result = {**(result or {"device": 0, "host": 0}), **cut}
     if result is None or not label:
-        return None
+        return result if cut is not None else None
     return {**result, "storage_backend": label}
 
 

@@ -1,0 +1,198 @@
+"""Context overflow in the server (``--hiradix-context-overflow``; AttentionStore §3.4).
+
+Three seams of SGLang 0.5.23, all inactive unless the flag is ``shift``, ``recompute`` or
+``noshift``:
+
+* the tokenizer manager (launcher process) lets a prompt longer than the context through
+  (``TokenizerManager._validate_one_request`` would answer HTTP 400);
+* the scheduler cuts it when the request arrives (``Scheduler.init_req_max_new_tokens``, before
+  SGLang's own length check): ``tokens[:keep] + tokens[keep + drop:]``
+  (:func:`hiradix.core.context_overflow.plan_truncation`), reusing an earlier cut of the same
+  conversation while it still fits, so the conversation keeps one truncated history;
+* the prefix match (:meth:`ContextOverflow.reuse`, from the cache's ``match_prefix``) copies the
+  kept tail's cached KV from where the tree holds it (:mod:`hiradix.core.context_shift`) into new
+  device slots, re-rotated by the positions it moved (:mod:`hiradix.dataplane.rope_shift`), and
+  inserts it as a branch of its own; only what no source holds in HBM is prefilled.
+
+Per request, ``cached_tokens_details`` (``return_cached_tokens_details``) gains
+``context_truncated_tokens`` and ``context_shifted_tokens``; the server counts them in
+``sglang:hiradix_context_truncated_tokens_total`` / ``sglang:hiradix_shifted_tokens_total``.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from hiradix.core.context_overflow import PromptTooLong, Truncation, plan_truncation
+from hiradix.core.context_shift import plan_shift, shared_head_tokens, shift_sources
+from hiradix.core.node import Tier
+from hiradix.dataplane.rope_shift import RopeShift, ShiftUnsupported, rope_shift_from_config, shift_slots
+
+logger = logging.getLogger(__name__)
+
+HUGE_CONTEXT = 1 << 40  # what the tokenizer manager is told while it checks a request
+
+
+def around_validate_one_request(original: Any, manager: Any, *args: Any, **kwargs: Any) -> Any:
+    """Launcher: run SGLang's request checks except the context-length ones (the scheduler cuts)."""
+    saved = manager.context_len
+    manager.context_len = HUGE_CONTEXT
+    try:
+        return original(manager, *args, **kwargs)
+    finally:
+        manager.context_len = saved
+
+
+def around_init_req_max_new_tokens(original: Any, scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """Scheduler: cut an overflowing prompt before SGLang sizes its new tokens and checks its length."""
+    overflow = getattr(scheduler.tree_cache, "overflow", None)
+    if overflow is not None and getattr(req, "hiradix_cut", None) is None:
+        overflow.cut(req, context_tokens=scheduler.max_req_len, max_prompt_tokens=scheduler.max_req_input_len - 1)
+    return original(scheduler, req, *args, **kwargs)
+
+
+def resolve_mode(mode: str, hf_config: dict) -> tuple[str, Optional[RopeShift], Optional[str]]:
+    """``(mode, rope, why)``: ``shift``/``noshift`` fall back to ``recompute`` (``why`` says so)
+    when the model's RoPE variant cannot be shifted (:class:`ShiftUnsupported`)."""
+    if mode not in ("shift", "noshift"):
+        return mode, None, None
+    try:
+        return mode, rope_shift_from_config(hf_config), None
+    except ShiftUnsupported as e:
+        return "recompute", None, str(e)
+
+
+@dataclass
+class CutRecord:
+    """A request's cut: the uncut prompt and what its match has done with it."""
+
+    cut: Truncation
+    tokens: Sequence[int]
+    namespace: Optional[tuple]
+    pending: bool  # a reuse of the kept tail is still to be tried (shift / noshift)
+    shifted_tokens: int = 0
+
+
+class ContextOverflow:
+    """Cuts overflowing prompts and reuses their kept tails, for one scheduler (one TP rank).
+
+    Args:
+        cache: the :class:`~hiradix.sglang_plugin.cache.TieredRadixCache` (its tree and core).
+        kv_pool: SGLang's device KV pool (``k_buffer``/``v_buffer`` per layer, or MLA ``kv_buffer``).
+        mode: ``shift``, ``recompute`` or ``noshift`` (after :func:`resolve_mode`).
+        rope: the model's shift (None unless ``shift``/``noshift``).
+        keep_tokens: leading tokens kept; -1 = :func:`shared_head_tokens`.
+        drop_ratio: share of the rest dropped by a new cut.
+    """
+
+    def __init__(self, cache: Any, kv_pool: Any, mode: str, rope: Optional[RopeShift], keep_tokens: int,
+                 drop_ratio: float):
+        self.cache, self.kv_pool, self.mode, self.rope = cache, kv_pool, mode, rope
+        self.keep_tokens, self.drop_ratio = keep_tokens, drop_ratio
+        self.counts = {"cut_requests": 0, "truncated_tokens": 0, "shifted_tokens": 0, "too_long": 0}
+        self._logged = False
+
+    # ------------------------------------------------------------ arrival
+    def cut(self, req: Any, context_tokens: int, max_prompt_tokens: int) -> Optional[Truncation]:
+        """Cut ``req.origin_input_ids`` in place if it overflows; None when it fits (or cannot be
+        cut: SGLang's own check then refuses it)."""
+        if getattr(req, "multimodal_inputs", None) is not None or getattr(req, "input_embeds", None) is not None:
+            return None
+        tokens = list(req.origin_input_ids)
+        requested = req.sampling_params.max_new_tokens
+        reserve = max(1, requested if requested is not None else 1)
+        context = min(context_tokens, max_prompt_tokens + reserve)
+        if len(tokens) + reserve <= context:
+            return None
+        from hiradix.sglang_plugin.cache import namespace_of_req  # the cache module imports this one
+
+        namespace = namespace_of_req(req)
+        tree, ps = self.cache.tree, self.cache.page_size
+        keep = self.keep_tokens if self.keep_tokens >= 0 else shared_head_tokens(tree, tokens, namespace)
+        cut = self._earlier_cut(tokens, keep, namespace, reserve, context)
+        if cut is None:
+            try:
+                cut = plan_truncation(len(tokens), reserve, context, keep, self.drop_ratio, ps)
+            except PromptTooLong as e:
+                self.counts["too_long"] += 1
+                logger.info("hiradix: context overflow: %s (request %s)", e, req.rid)
+                return None
+        kept = cut.apply(tokens)
+        original = req.origin_input_ids
+        req.origin_input_ids = array(original.typecode, kept) if isinstance(original, array) else kept
+        req.origin_input_ids_unpadded = req.origin_input_ids
+        req.hiradix_cut = CutRecord(cut, tokens, namespace, pending=self.mode in ("shift", "noshift"))
+        self.counts["cut_requests"] += 1
+        self.counts["truncated_tokens"] += cut.drop_tokens
+        if not self._logged:
+            self._logged = True
+            logger.info("hiradix: context overflow (%s): first cut: a prompt of %d tokens keeps %d + %d, drops %d "
+                        "(context %d tokens, %d new)", self.mode, len(tokens), cut.keep_tokens,
+                        cut.kept_tokens - cut.keep_tokens, cut.drop_tokens, context_tokens, reserve)
+        return cut
+
+    def _earlier_cut(self, tokens: list[int], keep: int, namespace: Optional[tuple], reserve: int,
+                     context: int) -> Optional[Truncation]:
+        """The smallest drop of an earlier cut of this conversation (a branch of the tree after the
+        head) with which the prompt fits, or None (only in modes that reuse KV)."""
+        if self.mode == "recompute":
+            return None
+        for drop in shift_sources(self.cache.tree, tokens, keep, namespace):
+            if drop > 0 and len(tokens) - drop + reserve <= context:
+                return Truncation(keep_tokens=keep, drop_tokens=drop, prompt_tokens=len(tokens))
+        return None
+
+    # ------------------------------------------------------------ match
+    def reuse(self, req: Any, key_tokens: Sequence[int], namespace: Optional[tuple]) -> int:
+        """Before ``req``'s match: copy (shift) the kept tail's KV from the best source into new
+        slots and insert it after the head. Tried once per request. Returns tokens shifted."""
+        record: Optional[CutRecord] = getattr(req, "hiradix_cut", None)
+        if record is None or not record.pending:
+            return 0
+        record.pending = False
+        tree, core = self.cache.tree, self.cache.core
+        m = tree.match(key_tokens, namespace, split=True, touch=False)
+        plan = plan_shift(tree, record.tokens, record.cut, namespace, m.hbm_len, len(key_tokens))
+        if plan is None or any(n.pinned[Tier.HBM] for n in tree.path(plan.source_node)):
+            return 0  # nothing in HBM to reuse, or a load into those slots is still running
+        core.lock(plan.source_node)
+        core.lock(m.hbm_node)
+        try:
+            slots = core.alloc_device(plan.num_tokens)
+            if slots is None:
+                return 0
+            source = core.path_slots(plan.source_node)[plan.src_start : plan.src_end]
+            head = core.path_slots(m.hbm_node)[: plan.dst_start]
+            self._copy(source.to(torch.int64), slots.to(torch.int64), plan.delta if self.mode == "shift" else 0)
+            end = plan.dst_start + plan.num_tokens
+            core.checkpoint(list(key_tokens[:end]), namespace, torch.cat([head, slots]), plan.dst_start)
+        finally:
+            core.unlock(plan.source_node)
+            core.unlock(m.hbm_node)
+        record.shifted_tokens = plan.num_tokens
+        self.counts["shifted_tokens"] += plan.num_tokens
+        return plan.num_tokens
+
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor, delta: int) -> None:
+        """Every layer: K (or the MLA latent row) shifted by ``delta`` positions, V copied."""
+        pool = self.kv_pool
+        if getattr(pool, "kv_buffer", None) is not None and getattr(pool, "kv_lora_rank", None):
+            for buffer in pool.kv_buffer:
+                shift_slots(buffer, src, dst, delta, self.rope)
+            return
+        for k_buffer, v_buffer in zip(pool.k_buffer, pool.v_buffer):
+            shift_slots(k_buffer, src, dst, delta, self.rope)
+            v_buffer[dst] = v_buffer[src]
+
+
+def details_of(req: Any) -> Optional[dict]:
+    """``{"context_truncated_tokens", "context_shifted_tokens"}`` of a cut request, else None."""
+    record: Optional[CutRecord] = getattr(req, "hiradix_cut", None)
+    if record is None:
+        return None
+    return {"context_truncated_tokens": record.cut.drop_tokens, "context_shifted_tokens": record.shifted_tokens}

@@ -1,0 +1,161 @@
+"""Context overflow with shifted KV reuse, end to end (``--hiradix-context-overflow shift``; issue 20).
+
+Real servers with ``--context-length 320`` (page 16). A conversation's second turn overflows the
+context; the server cuts it (keeps the 32-token system prompt that another conversation shares,
+drops half the rest in whole pages) and reuses the kept tail's cached KV, re-rotated by minus the
+dropped length. The reference is the same server recomputing the cut prompt under another cache
+salt (no reuse possible): SGLang's own token truncation (the paper's TT).
+
+| server   | model (from models/tiny)                | what it shows                                         |
+|----------|-----------------------------------------|-------------------------------------------------------|
+| neox     | 1 layer, neox pairing                   | shifted reuse == recompute: same tokens, logprobs 1e-5 |
+| gptj     | 1 layer, gptj pairing (rope_is_neox_style false) | the same                                     |
+| partial  | 1 layer, partial_rotary_factor 0.5      | the same                                              |
+| deep     | 2 layers (the tiny model)               | the approximation is real: logprobs differ            |
+| tp2      | 1 layer, neox, TP 2 (each rank shifts its heads) | the same as neox                             |
+
+In a 1-layer model a token's K/V depend only on the token and its position, so reuse after a
+shift must equal recomputing the cut prompt (AttentionStore §3.4's exactness case).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from hiradix.core.context_overflow import plan_truncation
+from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, stop_all
+from tests.helpers.e2e import metric
+
+pytestmark = pytest.mark.e2e
+
+CONTEXT, PAGE, NEW = 320, 16, 8
+SYSTEM_TOKENS = 32
+VARIANTS = {  # name: (layers, config.json changes, TP)
+    "neox": (1, {}, 1),
+    "gptj": (1, {"rope_is_neox_style": False}, 1),
+    "partial": (1, {"partial_rotary_factor": 0.5}, 1),
+    "deep": (2, {}, 1),
+    "tp2": (1, {}, 2),
+}
+
+
+def variant_model(tiny: Path, root: Path, layers: int, changes: dict) -> Path:
+    """models/tiny with fewer layers or another RoPE pairing (SGLang skips weights of absent layers)."""
+    out = root / f"l{layers}-{'-'.join(f'{k}={v}' for k, v in changes.items()) or 'neox'}"
+    if not out.exists():
+        out.mkdir(parents=True)
+        for f in tiny.iterdir():
+            if f.is_file() and f.name != "config.json":
+                (out / f.name).symlink_to(f)
+        config = json.loads((tiny / "config.json").read_text())
+        config.update(num_hidden_layers=layers, **changes)
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model, tmp_path_factory) -> dict[str, ServerProcess]:
+    root = tmp_path_factory.mktemp("overflow")
+    found: dict[str, ServerProcess] = {}
+    for name, (layers, changes, tp) in VARIANTS.items():
+        model = variant_model(tiny_model, root / "models", layers, changes)
+        flags = cpu_args(4096) + ["--context-length", str(CONTEXT), "--page-size", str(PAGE), "--enable-hiradix",
+                                  "--hiradix-dram-gb", "0.01", "--hiradix-context-overflow", "shift"]
+        if tp > 1:
+            flags += ["--tp-size", str(tp)]
+        found[name] = ServerProcess(model, extra_args=flags, env={**cpu_env(tp_size=tp), "HIRADIX_CHECK_INTEGRITY": "1"},
+                                    log_path=root / f"{name}.log", startup_timeout_s=600)
+    try:
+        for server in found.values():
+            server.start(wait=False)
+        for server in found.values():
+            server.wait_healthy()
+        yield found
+    finally:
+        stop_all(found.values())
+
+
+def generate(base_url: str, input_ids: list[int], salt: str | None = None) -> dict:
+    body = {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": NEW},
+            "return_logprob": True, **({"cache_salt": salt} if salt else {})}
+    req = urllib.request.Request(f"{base_url}/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        out = json.loads(resp.read())
+    meta = out["meta_info"]
+    return {"ids": [t[1] for t in meta["output_token_logprobs"]], "logprobs": [t[0] for t in meta["output_token_logprobs"]],
+            "prompt_tokens": meta["prompt_tokens"], "cached": meta.get("cached_tokens", 0),
+            "details": meta.get("cached_tokens_details") or {}}
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(10, 4000) for _ in range(n)]
+
+
+def overflowing_turn(server: ServerProcess, seed: int) -> tuple[list[int], dict, dict]:
+    """Two conversations sharing a system prompt; the second's next turn overflows the context.
+
+    Returns ``(uncut prompt, answer through the cut and reuse, answer recomputing the cut prompt)``.
+    """
+    rng = random.Random(seed)
+    system = tokens(rng, SYSTEM_TOKENS)
+    generate(server.base_url, system + tokens(rng, 40))  # another conversation: the system prompt is shared
+    first = system + tokens(rng, 230)
+    answer = generate(server.base_url, first)["ids"]
+    prompt = first + answer + tokens(rng, CONTEXT - len(first) - len(answer))  # exactly the context: overflows
+    shifted = generate(server.base_url, prompt)
+    cut = plan_truncation(len(prompt), NEW, CONTEXT - 1, SYSTEM_TOKENS, 0.5, PAGE)
+    recomputed = generate(server.base_url, cut.apply(prompt), salt=f"reference-{seed}")
+    return prompt, shifted, recomputed
+
+
+@pytest.mark.parametrize("name", ["neox", "gptj", "partial", "tp2"])
+def test_one_layer_shifted_reuse_equals_recomputing_the_cut_prompt(servers, name):
+    server = servers[name]
+    prompt, shifted, recomputed = overflowing_turn(server, seed=7)
+    cut = plan_truncation(len(prompt), NEW, CONTEXT - 1, SYSTEM_TOKENS, 0.5, PAGE)
+    assert shifted["details"].get("context_truncated_tokens") == cut.drop_tokens, shifted
+    assert shifted["prompt_tokens"] == cut.kept_tokens == recomputed["prompt_tokens"]
+    # the first turn's pages after the cut were reused shifted: its prompt and answer but the last
+    # token (no KV yet), in whole pages
+    reused = (SYSTEM_TOKENS + 230 + NEW - 1) // PAGE * PAGE - cut.tail_start
+    assert shifted["details"].get("context_shifted_tokens") == reused > 0, shifted
+    assert shifted["cached"] >= SYSTEM_TOKENS + reused, shifted
+    assert recomputed["cached"] == 0 and "context_truncated_tokens" not in recomputed["details"]
+    assert shifted["ids"] == recomputed["ids"]
+    worst = max(abs(a - b) for a, b in zip(shifted["logprobs"], recomputed["logprobs"]))
+    assert worst <= 1e-5, (shifted["logprobs"], recomputed["logprobs"])
+    assert metric(server.base_url, "sglang:hiradix_shifted_tokens_total") >= reused
+    assert "Traceback" not in server.log_text() and "IntegrityError" not in server.log_text()
+
+
+def test_deeper_layers_make_the_reuse_an_approximation(servers):
+    """In layer 2 the kept tokens' KV was computed while they attended to the dropped ones."""
+    _, shifted, recomputed = overflowing_turn(servers["deep"], seed=7)
+    assert shifted["details"].get("context_shifted_tokens", 0) > 0
+    worst = max(abs(a - b) for a, b in zip(shifted["logprobs"], recomputed["logprobs"]))
+    assert worst > 1e-4, (shifted["logprobs"], recomputed["logprobs"])
+
+
+def test_the_next_turn_keeps_the_cut_and_hits_its_branch(servers):
+    """The turn after an overflow still overflows uncut; the earlier cut fits it, so the server
+    keeps it (one truncated history per conversation) and the branch with the last answer hits."""
+    server = servers["neox"]
+    prompt, shifted, _ = overflowing_turn(server, seed=11)
+    cut = plan_truncation(len(prompt), NEW, CONTEXT - 1, SYSTEM_TOKENS, 0.5, PAGE)
+    rng = random.Random(99)
+    nxt = prompt + shifted["ids"] + tokens(rng, 20)
+    again = generate(server.base_url, nxt)
+    assert again["details"].get("context_truncated_tokens") == cut.drop_tokens, again
+    assert again["details"].get("context_shifted_tokens", 0) == 0  # nothing to shift: the branch holds it
+    kept = cut.kept_tokens + len(shifted["ids"])
+    assert again["cached"] >= kept // PAGE * PAGE - PAGE, again
+    reference = generate(server.base_url, cut.apply(prompt) + shifted["ids"] + nxt[len(prompt) + len(shifted["ids"]):],
+                         salt="reference-next")
+    assert again["ids"] == reference["ids"]
