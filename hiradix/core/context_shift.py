@@ -21,7 +21,7 @@ server's glue is :mod:`hiradix.sglang_plugin.overflow`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from hiradix.core.context_overflow import Truncation
 from hiradix.core.tree import TieredRadixTree, TreeNode
@@ -84,18 +84,13 @@ def shift_sources(tree: TieredRadixTree, tokens: Sequence[int], keep: int, names
 
 
 @dataclass(frozen=True)
-class ShiftPlan:
-    """Copy source slots ``[src_start, src_end)`` of the path ``source_tokens`` (HBM, ending at
-    ``source_node``) to the cut prompt's positions ``[dst_start, dst_start + src_end - src_start)``,
-    re-rotated by ``delta`` positions (``source_drop - cut.drop_tokens``, <= 0).
-    """
+class CopySegment:
+    """Source slots ``[src_start, src_end)`` of the HBM path ending at ``source_node`` (lock it
+    while copying), re-rotated by ``delta`` positions (destination minus source)."""
 
-    source_tokens: tuple[int, ...]
     source_node: TreeNode
-    source_drop: int
     src_start: int
     src_end: int
-    dst_start: int
     delta: int
 
     @property
@@ -103,8 +98,28 @@ class ShiftPlan:
         return self.src_end - self.src_start
 
 
+@dataclass(frozen=True)
+class ReusePlan:
+    """Copies that fill the prompt's positions ``[dst_start, dst_start + num_tokens)``, in order;
+    ``source_drop``: the drop of the cut branch copied from (0: the uncut path; None: found by
+    content, :func:`plan_moved`)."""
+
+    dst_start: int
+    segments: tuple[CopySegment, ...]
+    source_drop: Optional[int] = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(seg.num_tokens for seg in self.segments)
+
+    @property
+    def shifted_tokens(self) -> int:
+        """Tokens copied to other positions (a same-position copy of a partial page is not)."""
+        return sum(seg.num_tokens for seg in self.segments if seg.delta)
+
+
 def plan_shift(tree: TieredRadixTree, tokens: Sequence[int], cut: Truncation, namespace: Optional[tuple],
-               covered: int, limit: int) -> Optional[ShiftPlan]:
+               covered: int, limit: int) -> Optional[ReusePlan]:
     """The best source for the cut prompt's positions ``[covered, limit)`` (whole pages).
 
     Args:
@@ -114,13 +129,13 @@ def plan_shift(tree: TieredRadixTree, tokens: Sequence[int], cut: Truncation, na
         limit: cut-prompt tokens worth reusing (whole pages of the cut prompt).
 
     Returns:
-        None when no source holds, in HBM, a page after ``covered``; else the plan with the most
-        tokens. Splits nodes at the source's HBM end (like a match); no other change.
+        None when no source holds, in HBM, a page after ``covered``; else a one-segment plan with
+        the most tokens. Splits nodes at the source's HBM end (like a match); no other change.
     """
     ps, keep, drop = tree.page_size, cut.keep_tokens, cut.drop_tokens
     if covered < keep or covered >= limit:
         return None
-    best: Optional[ShiftPlan] = None
+    best: Optional[ReusePlan] = None
     for d in shift_sources(tree, tokens, keep, namespace, max_drop=drop):
         if d >= drop:
             continue  # the cut's own branch: ``covered`` is its match already
@@ -129,5 +144,82 @@ def plan_shift(tree: TieredRadixTree, tokens: Sequence[int], cut: Truncation, na
         lag = drop - d  # the tail sits this much further right on the source path
         src_start, src_end = covered + lag, min(m.hbm_len, limit + lag) // ps * ps
         if src_end - src_start >= ps and (best is None or src_end - src_start > best.num_tokens):
-            best = ShiftPlan(source, m.hbm_node, d, src_start, src_end, covered, -lag)
+            best = ReusePlan(covered, (CopySegment(m.hbm_node, src_start, src_end, -lag),), source_drop=d)
     return best
+
+
+# ------------------------------------------------------------------ moved by the client
+def _path_start(node: TreeNode) -> int:
+    """Position of ``node``'s first token on its path."""
+    start, node = 0, node.parent
+    while node is not None and node.parent is not None:
+        start += node.num_tokens
+        node = node.parent
+    return start
+
+
+def _below(node: TreeNode, ancestor: TreeNode) -> bool:
+    while node is not None:
+        if node is ancestor:
+            return True
+        node = node.parent
+    return False
+
+
+def _divergence(tree: TieredRadixTree, tokens: Sequence[int], head: TreeNode, covered: int) -> tuple[int, Optional[TreeNode]]:
+    """``(q, child)``: where ``tokens`` leave the tree inside the page after ``covered`` (a
+    message boundary is rarely a page boundary), and the child of ``head`` that holds
+    ``tokens[covered:q]`` at the same positions (None when ``q == covered``)."""
+    best, holder = 0, None
+    for child in head.children.values():
+        n = 0
+        while n < min(tree.page_size, child.num_tokens) and covered + n < len(tokens) and child.tokens[n] == tokens[covered + n]:
+            n += 1
+        if n > best and child.hbm_slots is not None:
+            best, holder = n, child
+    return covered + best, holder
+
+
+def plan_moved(tree: TieredRadixTree, index: Any, tokens: Sequence[int], namespace: Optional[tuple],
+               head: TreeNode, covered: int, limit: int, min_tokens: int) -> Optional[ReusePlan]:
+    """A client dropped messages: ``tokens = A ‖ C`` where the tree holds ``A ‖ B ‖ C``.
+
+    ``tokens[:covered]`` is the HBM match, ending at ``head`` (A, whole pages). C is looked up by
+    content (:class:`~hiradix.core.page_index.PageContentIndex`) among the pages below ``head``
+    in the same namespace, verified token by token, and copied shifted by ``-|B|``; the tokens of
+    A in the page after ``covered`` come from the path that holds them at the same positions.
+
+    Args:
+        limit: tokens worth reusing (whole pages of the prompt).
+        min_tokens: the shortest reuse worth a plan (shorter runs are recomputed).
+
+    Returns:
+        None, or the plan; splits nodes at the source's HBM end (like a match), nothing else.
+    """
+    ps = tree.page_size
+    if index is None or limit - covered < max(min_tokens, ps):
+        return None
+    q, holder = _divergence(tree, tokens, head, covered)
+    best: Optional[tuple[int, CopySegment]] = None
+    for j in range(ps):
+        window = tokens[q + j : q + j + ps]
+        if len(window) < ps:
+            break
+        for node, i in index.find(namespace, window):
+            if not _below(node, head) or node.hbm_slots is None:
+                continue
+            at = _path_start(node) + i * ps  # window's position on the source path
+            c0 = at - j  # C's first token there
+            path = [t for n in tree.path(node) for t in n.tokens][:at]
+            if c0 <= q or path[c0:at] != list(tokens[q : q + j]):
+                continue  # not a drop (same or later position), or C does not start there
+            m = tree.match(path + list(tokens[q + j :]), namespace, split=True, touch=True)
+            reach = (min(m.hbm_len - c0, limit - q) + q) // ps * ps - q
+            if reach > 0 and (best is None or reach > best[0]):
+                best = (reach, CopySegment(m.hbm_node, c0, c0 + reach, q - c0))
+        if best is not None:
+            break  # the first aligned window found C; later offsets find the same run
+    if best is None or q + best[0] - covered < max(min_tokens, ps):
+        return None
+    segments = (best[1],) if q == covered else (CopySegment(holder, covered, q, 0), best[1])
+    return ReusePlan(covered, segments)

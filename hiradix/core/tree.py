@@ -34,6 +34,7 @@ from array import array
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from hiradix.core.node import NUM_TIERS, IntegrityError, Tier, TreeMatch, TreeNode
+from hiradix.core.page_index import PageContentIndex
 from hiradix.core.policy import EvictionPolicy, LRUPolicy
 
 __all__ = ["IntegrityError", "Tier", "TieredRadixTree", "TreeMatch", "TreeNode"]
@@ -63,6 +64,7 @@ class TieredRadixTree:
         self.policy = policy or LRUPolicy()
         self.clock = clock
         self.on_split: Optional[Callable[[TreeNode, TreeNode], None]] = None  # (lower, new upper)
+        self.page_index: Optional[PageContentIndex] = None  # pages by content (context overflow only)
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -77,6 +79,8 @@ class TieredRadixTree:
         self.tier_tokens = [0] * NUM_TIERS  # tokens held per tier
         self._candidates: list[set[TreeNode]] = [set() for _ in Tier]  # eviction candidates per tier
         self._sole: list[set[TreeNode]] = [set() for _ in Tier]  # nodes held by that tier only
+        if self.page_index is not None:
+            self.page_index = PageContentIndex(self.page_size)
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         """Every non-root node, parents before children."""
@@ -220,6 +224,8 @@ class TieredRadixTree:
             if child is None:
                 child = TreeNode(next(self._ids), node, array("q", tokens[pos:limit]), namespace)
                 node.children[key] = child
+                if self.page_index is not None:
+                    self.page_index.add(child)
             n = self._common_len(child.tokens, tokens, pos, limit)
             if n < child.num_tokens:
                 child = self._split(child, n)
@@ -309,6 +315,8 @@ class TieredRadixTree:
         node = TreeNode(next(self._ids), parent, array("q", tokens), namespace)
         node.last_access_s = self.clock()
         parent.children[key] = node
+        if self.page_index is not None:
+            self.page_index.add(node)
         self.attach(node, tier, list(ids))
         return node
 
@@ -361,6 +369,9 @@ class TieredRadixTree:
         upper.parent.children[parent_key] = upper
         if self.on_split is not None:
             self.on_split(node, upper)
+        if self.page_index is not None:
+            self.page_index.add(upper)
+            self.page_index.add(node)  # its pages moved back by n tokens
         self._refresh(upper)
         self._refresh(node)
         return upper

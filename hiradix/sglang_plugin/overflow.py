@@ -29,13 +29,15 @@ from typing import Any, Optional, Sequence
 import torch
 
 from hiradix.core.context_overflow import PromptTooLong, Truncation, plan_truncation
-from hiradix.core.context_shift import plan_shift, shared_head_tokens, shift_sources
+from hiradix.core.context_shift import ReusePlan, plan_moved, plan_shift, shared_head_tokens, shift_sources
+from hiradix.core.page_index import PageContentIndex
 from hiradix.core.node import Tier
 from hiradix.dataplane.rope_shift import RopeShift, ShiftUnsupported, rope_shift_from_config, shift_slots
 
 logger = logging.getLogger(__name__)
 
 HUGE_CONTEXT = 1 << 40  # what the tokenizer manager is told while it checks a request
+MIN_MOVED_TOKENS = 64  # the shortest run a client moved that is reused (shorter runs are recomputed)
 
 
 def around_validate_one_request(original: Any, manager: Any, *args: Any, **kwargs: Any) -> Any:
@@ -94,8 +96,13 @@ class ContextOverflow:
                  drop_ratio: float):
         self.cache, self.kv_pool, self.mode, self.rope = cache, kv_pool, mode, rope
         self.keep_tokens, self.drop_ratio = keep_tokens, drop_ratio
-        self.counts = {"cut_requests": 0, "truncated_tokens": 0, "shifted_tokens": 0, "too_long": 0}
+        self.counts = {"cut_requests": 0, "truncated_tokens": 0, "shifted_tokens": 0, "too_long": 0,
+                       "moved_requests": 0}
         self._logged = False
+        if mode in ("shift", "noshift"):  # runs a client moved are found by content
+            cache.tree.page_index = PageContentIndex(cache.page_size)
+            for node in cache.tree.iter_nodes():
+                cache.tree.page_index.add(node)
 
     # ------------------------------------------------------------ arrival
     def cut(self, req: Any, context_tokens: int, max_prompt_tokens: int) -> Optional[Truncation]:
@@ -149,33 +156,62 @@ class ContextOverflow:
 
     # ------------------------------------------------------------ match
     def reuse(self, req: Any, key_tokens: Sequence[int], namespace: Optional[tuple]) -> int:
-        """Before ``req``'s match: copy (shift) the kept tail's KV from the best source into new
-        slots and insert it after the head. Tried once per request. Returns tokens shifted."""
+        """Before ``req``'s match: copy the kept tail of a cut prompt (or, in ``shift``/``noshift``,
+        a run of the prompt the tree holds after the same head at other positions: a client
+        dropped messages) into new slots, re-rotated, and insert it after the head. Tried once per
+        request. Returns tokens copied."""
+        tree = self.cache.tree
         record: Optional[CutRecord] = getattr(req, "hiradix_cut", None)
-        if record is None or not record.pending:
-            return 0
-        record.pending = False
+        if record is not None:
+            if not record.pending:
+                return 0
+            record.pending = False
+            m = tree.match(key_tokens, namespace, split=True, touch=False)
+            plan = plan_shift(tree, record.tokens, record.cut, namespace, m.hbm_len, len(key_tokens))
+        else:
+            if self.mode not in ("shift", "noshift") or getattr(req, "hiradix_moved_checked", False):
+                return 0
+            req.hiradix_moved_checked = True
+            m = tree.match(key_tokens, namespace, split=True, touch=False)
+            if m.matched_len > m.hbm_len:
+                return 0  # a lower tier holds more of this very prefix: it is loaded, not shifted
+            tree.page_index.compact(tree.iter_nodes())
+            plan = plan_moved(tree, tree.page_index, key_tokens, namespace, m.hbm_node, m.hbm_len, len(key_tokens),
+                              MIN_MOVED_TOKENS)
+        copied = self._apply(plan, m.hbm_node, key_tokens, namespace) if plan is not None else 0
+        if copied:
+            if record is not None:
+                record.shifted_tokens = plan.shifted_tokens
+            else:
+                req.hiradix_moved_tokens = plan.shifted_tokens
+                self.counts["moved_requests"] += 1
+            self.counts["shifted_tokens"] += plan.shifted_tokens
+        return copied
+
+    def _apply(self, plan: ReusePlan, head: Any, key_tokens: Sequence[int], namespace: Optional[tuple]) -> int:
+        """Copy the plan's segments into new device slots and insert them after ``head``."""
         tree, core = self.cache.tree, self.cache.core
-        m = tree.match(key_tokens, namespace, split=True, touch=False)
-        plan = plan_shift(tree, record.tokens, record.cut, namespace, m.hbm_len, len(key_tokens))
-        if plan is None or any(n.pinned[Tier.HBM] for n in tree.path(plan.source_node)):
-            return 0  # nothing in HBM to reuse, or a load into those slots is still running
-        core.lock(plan.source_node)
-        core.lock(m.hbm_node)
+        sources = [seg.source_node for seg in plan.segments]
+        if any(n.pinned[Tier.HBM] for src in sources for n in tree.path(src)):
+            return 0  # a load into those slots is still running
+        for node in (*sources, head):
+            core.lock(node)
         try:
             slots = core.alloc_device(plan.num_tokens)
             if slots is None:
                 return 0
-            source = core.path_slots(plan.source_node)[plan.src_start : plan.src_end]
-            head = core.path_slots(m.hbm_node)[: plan.dst_start]
-            self._copy(source.to(torch.int64), slots.to(torch.int64), plan.delta if self.mode == "shift" else 0)
+            new = slots.to(torch.int64)
+            at = 0
+            for seg in plan.segments:
+                src = core.path_slots(seg.source_node)[seg.src_start : seg.src_end].to(torch.int64)
+                self._copy(src, new[at : at + seg.num_tokens], seg.delta if self.mode == "shift" else 0)
+                at += seg.num_tokens
+            before = core.path_slots(head)[: plan.dst_start]
             end = plan.dst_start + plan.num_tokens
-            core.checkpoint(list(key_tokens[:end]), namespace, torch.cat([head, slots]), plan.dst_start)
+            core.checkpoint(list(key_tokens[:end]), namespace, torch.cat([before, slots]), plan.dst_start)
         finally:
-            core.unlock(plan.source_node)
-            core.unlock(m.hbm_node)
-        record.shifted_tokens = plan.num_tokens
-        self.counts["shifted_tokens"] += plan.num_tokens
+            for node in (*sources, head):
+                core.unlock(node)
         return plan.num_tokens
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, delta: int) -> None:
@@ -194,5 +230,6 @@ def details_of(req: Any) -> Optional[dict]:
     """``{"context_truncated_tokens", "context_shifted_tokens"}`` of a cut request, else None."""
     record: Optional[CutRecord] = getattr(req, "hiradix_cut", None)
     if record is None:
-        return None
+        moved = getattr(req, "hiradix_moved_tokens", 0)
+        return {"context_shifted_tokens": moved} if moved else None
     return {"context_truncated_tokens": record.cut.drop_tokens, "context_shifted_tokens": record.shifted_tokens}

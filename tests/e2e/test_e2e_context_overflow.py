@@ -159,3 +159,32 @@ def test_the_next_turn_keeps_the_cut_and_hits_its_branch(servers):
     reference = generate(server.base_url, cut.apply(prompt) + shifted["ids"] + nxt[len(prompt) + len(shifted["ids"]):],
                          salt="reference-next")
     assert again["ids"] == reference["ids"]
+
+
+@pytest.mark.parametrize("name", ["neox", "gptj"])
+def test_a_client_that_dropped_old_messages_reuses_the_rest_shifted(servers, name):
+    """The client cut the history itself: it sends system ‖ m3 ‖ m4 ‖ new where the tree holds
+    system ‖ m1 ‖ m2 ‖ m3 ‖ m4 (message lengths are not whole pages). m3 ‖ m4 are found by the
+    content of their pages below the system prompt, verified, and reused shifted by -(|m1| + |m2|)."""
+    server = servers[name]
+    rng = random.Random(23)
+    system = tokens(rng, SYSTEM_TOKENS)
+    generate(server.base_url, system + tokens(rng, 40))  # another conversation shares the system prompt
+    messages = [tokens(rng, n) for n in (37, 45, 61, 53)]
+    history = system + [t for m in messages for t in m]
+    generate(server.base_url, history)  # the tree holds the whole conversation
+    prompt = system + messages[2] + messages[3] + tokens(rng, 21)
+    moved = generate(server.base_url, prompt)
+    reference = generate(server.base_url, prompt, salt="reference-moved")
+    shifted = moved["details"].get("context_shifted_tokens", 0)
+    # m3 ‖ m4 up to the last whole page (the page holding the end of system and the start of m3
+    # is copied from the system prompt's path and counted as a hit, not as shifted)
+    assert shifted >= (61 + 53) // PAGE * PAGE - PAGE, moved
+    assert "context_truncated_tokens" not in moved["details"]
+    assert moved["cached"] >= SYSTEM_TOKENS + shifted, moved
+    assert reference["cached"] == 0 and not reference["details"].get("context_shifted_tokens")
+    assert moved["ids"] == reference["ids"]
+    worst = max(abs(a - b) for a, b in zip(moved["logprobs"], reference["logprobs"]))
+    assert worst <= 1e-5, (moved["logprobs"], reference["logprobs"])
+    other_salt = generate(server.base_url, prompt, salt="another-salt")  # salts never cross
+    assert other_salt["cached"] == 0 and not other_salt["details"].get("context_shifted_tokens")
