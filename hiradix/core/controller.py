@@ -264,6 +264,11 @@ class TierController:
         """Start the promotions queued for the batch being built; returns its consumer index."""
         return self.mover.start_loading()
 
+    def land_now(self) -> None:
+        """Finish every pending device copy now and apply the outcomes (a shifted reuse reads the
+        slots a promotion just filled)."""
+        self._reap(self.mover.flush())
+
     # ------------------------------------------------------------ prefetch
     def prefetch(self, nodes: list[TreeNode], timeout_s: float, ahead: bool = False, src: Tier = Tier.NVME,
                  deadline_s: Optional[float] = None, background: bool = False) -> bool:

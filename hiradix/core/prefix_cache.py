@@ -170,6 +170,17 @@ class TieredPrefixCache:
         read_from, waited_from = self.tiers.load_back(nodes, slots)
         return LoadBack(num_tokens, read_from, waited_from, end)
 
+    def promote_now(self, start: TreeNode, end: TreeNode, num_tokens: int) -> int:
+        """:meth:`load_back`, then finish the copies now (not layer by layer with a forward).
+
+        For a context-overflow reuse (:mod:`hiradix.sglang_plugin.overflow`) that copies the
+        promoted slots at once; the DRAM copies stay as written. Returns tokens promoted.
+        """
+        back = self.load_back(start, end, num_tokens)
+        if back.loaded:
+            self.tiers.land_now()
+        return back.loaded
+
     def start_loading(self) -> int:
         """Start the promotions queued while building a batch; returns its consumer index (-1: none)."""
         return -1 if self.tiers is None else self.tiers.start_loading()

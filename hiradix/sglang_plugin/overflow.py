@@ -97,7 +97,7 @@ class ContextOverflow:
         self.cache, self.kv_pool, self.mode, self.rope = cache, kv_pool, mode, rope
         self.keep_tokens, self.drop_ratio = keep_tokens, drop_ratio
         self.counts = {"cut_requests": 0, "truncated_tokens": 0, "shifted_tokens": 0, "too_long": 0,
-                       "moved_requests": 0}
+                       "moved_requests": 0, "promoted_tokens": 0}
         self._logged = False
         if mode in ("shift", "noshift"):  # runs a client moved are found by content
             cache.tree.page_index = PageContentIndex(cache.page_size)
@@ -166,6 +166,7 @@ class ContextOverflow:
             if not record.pending:
                 return 0
             record.pending = False
+            self._promote_sources(record, namespace)
             m = tree.match(key_tokens, namespace, split=True, touch=False)
             plan = plan_shift(tree, record.tokens, record.cut, namespace, m.hbm_len, len(key_tokens))
         else:
@@ -187,6 +188,26 @@ class ContextOverflow:
                 self.counts["moved_requests"] += 1
             self.counts["shifted_tokens"] += plan.shifted_tokens
         return copied
+
+    def _promote_sources(self, record: CutRecord, namespace: Optional[tuple]) -> None:
+        """Bring the DRAM part of every source of the kept tail into HBM first (the shift runs on
+        the device after the pages are loaded; NVMe/store-only pages are recomputed)."""
+        tree, core, cut = self.cache.tree, self.cache.core, record.cut
+        if core.tiers is None:
+            return
+        head = list(record.tokens[: cut.keep_tokens])
+        for d in shift_sources(tree, record.tokens, cut.keep_tokens, namespace, max_drop=cut.drop_tokens):
+            if d >= cut.drop_tokens:
+                continue
+            m = tree.match(head + list(record.tokens[cut.keep_tokens + d :]), namespace, split=True, touch=False)
+            tail_start = cut.keep_tokens + cut.drop_tokens - d  # the kept tail on this source path
+            if m.dram_len == 0 or m.hbm_len + m.dram_len <= tail_start:
+                continue
+            core.lock(m.hbm_node)
+            try:
+                self.counts["promoted_tokens"] += core.promote_now(m.hbm_node, m.dram_node, m.dram_len)
+            finally:
+                core.unlock(m.hbm_node)
 
     def _apply(self, plan: ReusePlan, head: Any, key_tokens: Sequence[int], namespace: Optional[tuple]) -> int:
         """Copy the plan's segments into new device slots and insert them after ``head``."""

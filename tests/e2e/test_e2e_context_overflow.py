@@ -13,6 +13,7 @@ salt (no reuse possible): SGLang's own token truncation (the paper's TT).
 | partial  | 1 layer, partial_rotary_factor 0.5      | the same                                              |
 | deep     | 2 layers (the tiny model)               | the approximation is real: logprobs differ            |
 | tp2      | 1 layer, neox, TP 2 (each rank shifts its heads) | the same as neox                             |
+| dram     | 1 layer, neox, HBM pool 640 tokens      | a kept tail in DRAM is promoted, then shifted: the same |
 
 In a 1-layer model a token's K/V depend only on the token and its position, so reuse after a
 shift must equal recomputing the cut prompt (AttentionStore §3.4's exactness case).
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
+import time
 import urllib.request
 from pathlib import Path
 
@@ -36,12 +37,13 @@ pytestmark = pytest.mark.e2e
 
 CONTEXT, PAGE, NEW = 320, 16, 8
 SYSTEM_TOKENS = 32
-VARIANTS = {  # name: (layers, config.json changes, TP)
-    "neox": (1, {}, 1),
-    "gptj": (1, {"rope_is_neox_style": False}, 1),
-    "partial": (1, {"partial_rotary_factor": 0.5}, 1),
-    "deep": (2, {}, 1),
-    "tp2": (1, {}, 2),
+VARIANTS = {  # name: (layers, config.json changes, TP, HBM pool tokens)
+    "neox": (1, {}, 1, 4096),
+    "gptj": (1, {"rope_is_neox_style": False}, 1, 4096),
+    "partial": (1, {"partial_rotary_factor": 0.5}, 1, 4096),
+    "deep": (2, {}, 1, 4096),
+    "tp2": (1, {}, 2, 4096),
+    "dram": (1, {}, 1, 640),  # a small pool: the history leaves HBM for DRAM before the overflow
 }
 
 
@@ -63,9 +65,9 @@ def variant_model(tiny: Path, root: Path, layers: int, changes: dict) -> Path:
 def servers(tiny_model, tmp_path_factory) -> dict[str, ServerProcess]:
     root = tmp_path_factory.mktemp("overflow")
     found: dict[str, ServerProcess] = {}
-    for name, (layers, changes, tp) in VARIANTS.items():
+    for name, (layers, changes, tp, pool) in VARIANTS.items():
         model = variant_model(tiny_model, root / "models", layers, changes)
-        flags = cpu_args(4096) + ["--context-length", str(CONTEXT), "--page-size", str(PAGE), "--enable-hiradix",
+        flags = cpu_args(pool) + ["--context-length", str(CONTEXT), "--page-size", str(PAGE), "--enable-hiradix",
                                   "--hiradix-dram-gb", "0.01", "--hiradix-context-overflow", "shift"]
         if tp > 1:
             flags += ["--tp-size", str(tp)]
@@ -98,8 +100,12 @@ def tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(10, 4000) for _ in range(n)]
 
 
-def overflowing_turn(server: ServerProcess, seed: int) -> tuple[list[int], dict, dict]:
+def overflowing_turn(server: ServerProcess, seed: int, flood: int = 0) -> tuple[list[int], dict, dict]:
     """Two conversations sharing a system prompt; the second's next turn overflows the context.
+
+    Args:
+        flood: unrelated 250-token prompts sent before the overflowing turn (they push the
+            history out of a small HBM pool into DRAM).
 
     Returns ``(uncut prompt, answer through the cut and reuse, answer recomputing the cut prompt)``.
     """
@@ -108,6 +114,8 @@ def overflowing_turn(server: ServerProcess, seed: int) -> tuple[list[int], dict,
     generate(server.base_url, system + tokens(rng, 40))  # another conversation: the system prompt is shared
     first = system + tokens(rng, 230)
     answer = generate(server.base_url, first)["ids"]
+    for i in range(flood):
+        generate(server.base_url, tokens(rng, 250))
     prompt = first + answer + tokens(rng, CONTEXT - len(first) - len(answer))  # exactly the context: overflows
     shifted = generate(server.base_url, prompt)
     cut = plan_truncation(len(prompt), NEW, CONTEXT - 1, SYSTEM_TOKENS, 0.5, PAGE)
@@ -188,3 +196,24 @@ def test_a_client_that_dropped_old_messages_reuses_the_rest_shifted(servers, nam
     assert worst <= 1e-5, (moved["logprobs"], reference["logprobs"])
     other_salt = generate(server.base_url, prompt, salt="another-salt")  # salts never cross
     assert other_salt["cached"] == 0 and not other_salt["details"].get("context_shifted_tokens")
+
+
+def test_a_kept_tail_in_dram_is_promoted_then_shifted(servers):
+    """The history left HBM (a 640-token pool, two other prompts since): the kept tail's DRAM copy
+    is loaded into HBM first (its DRAM pages stay as written), then shifted like an HBM one."""
+    server = servers["dram"]
+    promoted_before = metric(server.base_url, "sglang:hiradix_moved_tokens_total", kind="PROMOTE")
+    prompt, shifted, recomputed = overflowing_turn(server, seed=7, flood=2)
+    cut = plan_truncation(len(prompt), NEW, CONTEXT - 1, SYSTEM_TOKENS, 0.5, PAGE)
+    reused = (SYSTEM_TOKENS + 230 + NEW - 1) // PAGE * PAGE - cut.tail_start
+    assert shifted["details"].get("context_shifted_tokens") == reused, shifted
+    deadline = time.monotonic() + 15  # the scheduler publishes its counters at its next step
+    promoted = metric(server.base_url, "sglang:hiradix_moved_tokens_total", kind="PROMOTE") - promoted_before
+    while promoted < reused and time.monotonic() < deadline:
+        time.sleep(0.5)
+        promoted = metric(server.base_url, "sglang:hiradix_moved_tokens_total", kind="PROMOTE") - promoted_before
+    assert promoted >= reused, promoted
+    assert shifted["ids"] == recomputed["ids"]
+    worst = max(abs(a - b) for a, b in zip(shifted["logprobs"], recomputed["logprobs"]))
+    assert worst <= 1e-5, (shifted["logprobs"], recomputed["logprobs"])
+    assert "IntegrityError" not in server.log_text()
