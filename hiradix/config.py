@@ -42,6 +42,8 @@ DRAM_MODES: tuple[str, ...] = ("cache", "staging")
 # MLA under TP: one host copy (DRAM, NVMe) per node, shared by the ranks, or one per rank.
 MLA_HOST_COPIES: tuple[str, ...] = ("node", "rank")
 STORE_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")  # see hiradix.core.store_tier
+COLD_FORMATS: tuple[str, ...] = ("exact", "fp8", "int4")  # hiradix.dataplane.kv_codec.FORMATS
+COLD_TIERS: tuple[str, ...] = ("nvme", "store")  # tiers that may hold compressed pages
 STORE_READ_MODES: tuple[str, ...] = READ_MODES  # auto, always, never: see hiradix.core.store_reads
 
 
@@ -144,6 +146,17 @@ def _ratio(flag: str, ratio: Any) -> float:
     return float(ratio)
 
 
+def _cold_tiers(flag: str, value: Any) -> tuple[str, ...]:
+    tiers = tuple(t.strip() for t in str(value).split(",") if t.strip())
+    if "dram" in tiers:
+        raise HiRadixConfigError(f"{flag}: dram is not offered: DRAM holds pages at SGLang's dtype (HBM loads "
+                                 "from it layer by layer); compress the tiers below it: nvme, store")
+    unknown = [t for t in tiers if t not in COLD_TIERS]
+    if unknown or not tiers or len(set(tiers)) != len(tiers):
+        raise HiRadixConfigError(f"{flag} must be a comma-separated subset of {list(COLD_TIERS)}, got {value!r}")
+    return tiers
+
+
 FLAGS: tuple[FlagSpec, ...] = (
     FlagSpec("dram_gb", "dram_bytes", float, 4.0, ("DRAM tier per scheduler process (TP rank), in GB (1e9 bytes); an MLA model under TP: per node, "
              "one copy its ranks share."),
@@ -200,6 +213,14 @@ FLAGS: tuple[FlagSpec, ...] = (
     FlagSpec("drop_ratio", "drop_ratio", float, 0.5,
              "With --hiradix-context-overflow: share of the tokens after the kept head that is dropped "
              "(at least the overflow; whole pages).", "RATIO"),
+    FlagSpec("cold_format", "cold_format", str, "exact",
+             "Page format of the tiers named by --hiradix-cold-tiers: exact (the model's bytes), fp8 (e4m3, one "
+             "scale per page, layer and KV head) or int4 (KIVI groups: keys per channel, values per token); fp8 "
+             "and int4 change outputs (measured in bench/RESULTS.md). HBM and DRAM keep SGLang's dtype.",
+             choices=lambda: list(COLD_FORMATS)),
+    FlagSpec("cold_tiers", "cold_tiers", str, "nvme,store",
+             "Comma-separated tiers that hold pages in --hiradix-cold-format: nvme, store.", "TIERS",
+             convert=_cold_tiers),
     FlagSpec("mla_host_copy", "mla_host_copy", str, "node",
              "MLA model under TP (every rank holds the same latent): node = one DRAM pool and NVMe tier per "
              "attention-TP group on a node, written by its rank 0 and read by every rank ((TP-1)/TP of the host bytes "
@@ -248,6 +269,9 @@ class HiRadixConfig:
             Flag `--hiradix-store-write-policy`.
         store_read: Which store hits are read: "auto" (only while faster than recomputing them,
             `hiradix.core.store_reads`), "always" or "never". Flag `--hiradix-store-read`.
+        cold_format: Page format of the cold tiers (``exact``, ``fp8``, ``int4``;
+            :mod:`hiradix.dataplane.kv_codec`). Flag `--hiradix-cold-format`.
+        cold_tiers: Tiers holding pages in ``cold_format`` (``nvme``, ``store``). Flag `--hiradix-cold-tiers`.
         context_overflow: What happens to a prompt that overflows the context (``off``, ``shift``,
             ``recompute``, ``noshift``; :mod:`hiradix.core.context_overflow`). Flag `--hiradix-context-overflow`.
         keep_tokens: Leading tokens a cut keeps (-1: the tree's shared head). Flag `--hiradix-keep-tokens`.
@@ -269,6 +293,8 @@ class HiRadixConfig:
     store_config: str = ""
     store_write_policy: str = _default("store_write_policy")
     store_read: str = _default("store_read")
+    cold_format: str = _default("cold_format")
+    cold_tiers: tuple[str, ...] = _default("cold_tiers")
     context_overflow: str = _default("context_overflow")
     keep_tokens: int = _default("keep_tokens")
     drop_ratio: float = _default("drop_ratio")
@@ -299,6 +325,10 @@ class HiRadixConfig:
             )
         self._validate_store()
         self._validate_overflow()
+        if self.cold_format not in COLD_FORMATS:
+            raise HiRadixConfigError(f"{flag['cold_format']} must be one of {list(COLD_FORMATS)}, got {self.cold_format!r}")
+        if not isinstance(self.cold_tiers, tuple) or not set(self.cold_tiers) <= set(COLD_TIERS):
+            raise HiRadixConfigError(f"{flag['cold_tiers']} must be a subset of {list(COLD_TIERS)}, got {self.cold_tiers!r}")
         timeout = self.load_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
             raise HiRadixConfigError(
@@ -410,6 +440,9 @@ class HiRadixConfig:
             )
         if values.get("store_read") is not None and values.get("store") is None:
             raise HiRadixConfigError(f"{FLAG_BY_NAME['store_read'].flag} applies only with {FLAG_BY_NAME['store'].flag}")
+        if values.get("cold_tiers") is not None and values.get("cold_format") in (None, "exact"):
+            raise HiRadixConfigError(f"{FLAG_BY_NAME['cold_tiers'].flag} applies only with "
+                                     f"{FLAG_BY_NAME['cold_format'].flag} fp8 or int4")
         for name in ("keep_tokens", "drop_ratio"):
             if values.get(name) is not None and values.get("context_overflow") in (None, "off"):
                 raise HiRadixConfigError(f"{FLAG_BY_NAME[name].flag} applies only with "
@@ -450,6 +483,8 @@ class HiRadixConfig:
             raise HiRadixConfigError(f"{ENV_VAR} lacks keys {missing}")
         if data["nvme_path"] is not None:
             data["nvme_path"] = Path(data["nvme_path"])
+        if isinstance(data.get("cold_tiers"), list):
+            data["cold_tiers"] = tuple(data["cold_tiers"])
         return cls(**data)
 
     def summary(self) -> str:
@@ -459,8 +494,9 @@ class HiRadixConfig:
         window = f", lookahead_window={self.lookahead_window}" if make_policy(self.policy).uses_queue else ""
         store = (f"{self.store_backend} ({self.store_write_policy}, read {self.store_read})"
                  if self.has_store_tier else "off")
-        overflow = "" if self.context_overflow == "off" else (
-            f", context_overflow={self.context_overflow} (keep_tokens={self.keep_tokens}, drop_ratio={self.drop_ratio:g})")
+        cold = "" if self.cold_format == "exact" else f", cold_format={self.cold_format} ({','.join(self.cold_tiers)})"
+        overflow = cold + ("" if self.context_overflow == "off" else (
+            f", context_overflow={self.context_overflow} (keep_tokens={self.keep_tokens}, drop_ratio={self.drop_ratio:g})"))
         return (
             f"policy={self.policy}{window}, write_policy={self.write_policy}, "
             f"{dram}, dram_mode={self.dram_mode}, nvme={nvme}, store={store}, "

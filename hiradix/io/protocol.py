@@ -320,6 +320,9 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
         store_writer: False: PUTs report success without writing (another rank writes the same
             bytes under the same keys: MLA under TP, ``fingerprint.is_store_writer``); GETs and
             lookups run as usual.
+        cold_format: The page format of the cold tiers (``hiradix.dataplane.kv_codec.FORMATS``).
+        cold_tiers: The tiers holding pages in ``cold_format`` (``"nvme"``, ``"store"``); empty:
+            every tier holds the DRAM page's bytes as they are (:mod:`hiradix.io.cold_pages`).
     """
 
     dram_path: str
@@ -338,6 +341,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     store_call_limit_s: float = 0.0
     tp_rank: int = 0
     store_writer: bool = True
+    cold_format: str = "exact"
+    cold_tiers: tuple[str, ...] = ()
 
     def to_json(self) -> str:
         """Serialize to a JSON string (the worker's ``--spec`` argument)."""

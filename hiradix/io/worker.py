@@ -63,6 +63,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import zmq
@@ -94,7 +95,9 @@ from hiradix.io.protocol import (
     job_pages,
     validate_job,
 )
+from hiradix.dataplane.kv_codec import PageCodec
 from hiradix.dataplane.layout import KVLayout
+from hiradix.io.cold_pages import ColdPages
 from hiradix.tiers.dram import DramPool
 from hiradix.tiers.files import ensure_private_dir
 from hiradix.tiers.nvme import NVME_FILE_NAME, NvmeStore
@@ -107,6 +110,7 @@ ACK_LINGER_S = 2.0  # how long queued replies may take to leave at exit, in seco
 WEDGED_STORE_EXIT_CODE = 3  # exit status after a store call ran past spec.store_call_limit_s
 STORE_CALL_LIMIT_MIN_S = 60.0  # the derived store call limit is at least this, in seconds
 STORE_CALL_LIMIT_FACTOR = 4.0  # ... and at least this many times the backend's call_deadline_s
+COLD_CHUNK_PAGES = 32  # pages a compressed tier encodes or decodes per step (scratch per thread)
 
 
 class Worker:
@@ -137,15 +141,22 @@ class Worker:
         self.spec = spec
         self.pool = DramPool.attach(Path(spec.dram_path), layout, spec.num_dram_pages)
         self.store, self.cluster = None, None
+        self.nvme_cold, self.store_cold = None, None  # ColdPages of a compressed tier
+        codec = PageCodec(layout, spec.cold_format) if spec.cold_tiers else None
         try:
             if spec.num_nvme_slots > 0:
+                if "nvme" in spec.cold_tiers:
+                    self.nvme_cold = ColdPages(codec, COLD_CHUNK_PAGES, spec.threads)
                 self.store = NvmeStore.open(
-                    Path(spec.nvme_dir) / NVME_FILE_NAME, spec.page_bytes, spec.num_nvme_slots,
+                    Path(spec.nvme_dir) / NVME_FILE_NAME,
+                    self.nvme_cold.encoded_bytes if self.nvme_cold else spec.page_bytes, spec.num_nvme_slots,
                     backend=spec.io_backend, threads=spec.threads, warn_fallback=False,
                 )
                 self.faults.attach(self.store)
             if spec.store_backend:
                 self.cluster = _open_cluster_store(spec, self.pool)
+                if "store" in spec.cold_tiers:
+                    self.store_cold = ColdPages(codec, COLD_CHUNK_PAGES, spec.store_threads, register=self.cluster.register)
         except BaseException:
             if self.store is not None:
                 self.store.close()
@@ -239,6 +250,8 @@ class Worker:
         try:
             views = [self.pool.page_view(p) for p in job.dram_pages]
             move = self.store.write_slots if isinstance(job, StorePages) else self.store.read_slots
+            if self.nvme_cold is not None:
+                move = partial(self.nvme_cold.write if isinstance(job, StorePages) else self.nvme_cold.read, move)
             with self.faults.armed(job, plan):
                 if plan.crash_mid:
                     move(list(job.nvme_slots[: n // 2]), views[: n // 2])
@@ -267,6 +280,8 @@ class Worker:
             else:
                 views = [self.pool.page_view(p) for p in job.dram_pages]
                 move = self.cluster.put if isinstance(job, PutStore) else self.cluster.get
+                if self.store_cold is not None:
+                    move = partial(self.store_cold.write if isinstance(job, PutStore) else self.store_cold.read, move)
                 ok = move(list(job.keys), views)
             ok = [bool(x) for x in ok]
             if len(ok) != n:

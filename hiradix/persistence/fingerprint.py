@@ -65,7 +65,7 @@ def model_identity(model_path: str, revision: Optional[str] = None) -> str:
 
 def kv_fingerprint(
     model_id: str, model_dtype: str, layout: KVLayout, tp_rank: int, tp_size: int, slot_bytes: int,
-    attn_dp_size: int = 1, shared_host_copy: bool = False,
+    attn_dp_size: int = 1, shared_host_copy: bool = False, page_format: str = "exact",
 ) -> dict[str, str]:
     """Everything persisted KV depends on, as strings.
 
@@ -80,6 +80,9 @@ def kv_fingerprint(
         shared_host_copy: the directory is the one copy the TP ranks of a node share (MLA,
             ``hiradix.runtime.shared_host_copy``): a restart with one copy per rank (or the
             other way round) must not re-index it on one rank only; recorded only when True.
+        page_format: the tier's page format (``--hiradix-cold-format``,
+            :mod:`hiradix.dataplane.kv_codec`); recorded only when not ``exact``, so exact tiers
+            keep today's fingerprint.
     """
     return {
         "model": model_id,
@@ -95,6 +98,7 @@ def kv_fingerprint(
         "tp_size": str(tp_size),
         **({"attn_dp_size": str(attn_dp_size)} if attn_dp_size > 1 else {}),
         **({"host_copy": "node"} if shared_host_copy else {}),
+        **({"page_format": page_format} if page_format != "exact" else {}),
         "slot_bytes": str(slot_bytes),
         "hiradix_version": hiradix.__version__,
         "page_hash": HASH_NAME,
@@ -112,20 +116,20 @@ def is_store_writer(layout: KVLayout, tp_rank: int) -> bool:
 
 
 def store_key_prefix(model_id: str, model_dtype: str, layout: KVLayout, tp_rank: int, tp_size: int,
-                     attn_dp_size: int = 1) -> str:
+                     attn_dp_size: int = 1, page_format: str = "exact") -> str:
     """The cluster store's key prefix for this rank's KV: ``hiradix/<digest>/``.
 
     The digest (16 hex digits of SHA-256) covers what :func:`kv_fingerprint` covers except the
     NVMe slot size and the hiradix version (servers of other versions share KV when the object
     format is the same, ``STORE_FORMAT``), so a different model, dtype, page size, layout or TP
-    shard never reads another's objects. MLA (``layout.is_mla``): every TP rank holds the same
+    shard never reads another's objects (nor a page of another format, ``page_format``). MLA (``layout.is_mla``): every TP rank holds the same
     latent, so the key has no TP rank (one object per page, written by one rank, read by all;
     HiCache's MLA keys do the same, ``mem_cache/hicache_storage.py``); the TP size stays in it.
     With DP attention (``attn_dp_size`` > 1) ``tp_rank`` is the rank in the attention-TP group,
     so the DP ranks of a server (and of other servers of the same shape) share their objects.
     """
     fp = kv_fingerprint(model_id, model_dtype, layout, 0 if layout.is_mla else tp_rank, tp_size, slot_bytes=0,
-                        attn_dp_size=attn_dp_size)
+                        attn_dp_size=attn_dp_size, page_format=page_format)
     del fp["slot_bytes"], fp["hiradix_version"]
     if layout.is_mla:
         fp["tp_rank"] = "replicated"

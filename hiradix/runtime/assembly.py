@@ -44,9 +44,25 @@ from hiradix.tiers.nvme import NVME_FILE_NAME, NvmeStore, slot_bytes_for
 logger = logging.getLogger(__name__)
 
 
+def cold_tiers_of(config: Any) -> tuple[str, ...]:
+    """The tiers that hold compressed pages (none when the format is ``exact``)."""
+    fmt = getattr(config, "cold_format", "exact")
+    return () if fmt == "exact" else tuple(getattr(config, "cold_tiers", ()))
+
+
+def tier_page_bytes(config: Any, layout: KVLayout, tier: str) -> int:
+    """Bytes of one page in ``tier`` (``"nvme"``, ``"store"``): the codec's encoded size in a
+    compressed tier (:mod:`hiradix.dataplane.kv_codec`), else the layout's ``page_bytes``."""
+    if tier not in cold_tiers_of(config):
+        return layout.page_bytes
+    from hiradix.dataplane.kv_codec import PageCodec
+
+    return PageCodec(layout, config.cold_format).encoded_bytes
+
+
 def start_worker(dram: DramPool, nvme_dir: Optional[Path], nvme_slots: int, shm_dir: Path, io_backend: str,
                  keep: bool = False, store_backend: str = "", store_config: str = "", tp_rank: int = 0,
-                 store_writer: bool = True) -> IOWorkerClient:
+                 store_writer: bool = True, config: Any = None) -> IOWorkerClient:
     """Create (``keep``: reuse) the NVMe slot file and spawn this rank's I/O worker over it and
     over the cluster store (``store_backend``), either of which may be absent.
 
@@ -56,7 +72,8 @@ def start_worker(dram: DramPool, nvme_dir: Optional[Path], nvme_slots: int, shm_
     """
     backend = io_backend
     if nvme_slots > 0:
-        store = NvmeStore.create(nvme_dir, dram.layout.page_bytes, nvme_slots, backend=io_backend, keep=keep)
+        nvme_page_bytes = tier_page_bytes(config, dram.layout, "nvme")
+        store = NvmeStore.create(nvme_dir, nvme_page_bytes, nvme_slots, backend=io_backend, keep=keep)
         backend = store.backend
         store.close()  # the worker owns NVMe I/O; this process only created the file
     spec = WorkerSpec(
@@ -73,6 +90,8 @@ def start_worker(dram: DramPool, nvme_dir: Optional[Path], nvme_slots: int, shm_
         store_config=store_config,
         tp_rank=tp_rank,
         store_writer=store_writer,
+        cold_format=getattr(config, "cold_format", "exact"),
+        cold_tiers=cold_tiers_of(config),
     )
     client = IOWorkerClient(spec)
     client.start()
@@ -80,12 +99,14 @@ def start_worker(dram: DramPool, nvme_dir: Optional[Path], nvme_slots: int, shm_
 
 
 def _open_index(nvme_dir: Path, identity: dict, layout: KVLayout, tp_rank: int, nvme_slots: int,
-                page_size: int, shared: bool = False) -> tuple[NvmeIndex, list]:
+                page_size: int, shared: bool = False, config: Any = None) -> tuple[NvmeIndex, list]:
     """The durable index of this rank's NVMe directory (``shared``: the node's one copy) and its
     persisted pages."""
+    fmt = "nvme" in cold_tiers_of(config) and config.cold_format or "exact"
     fingerprint = kv_fingerprint(identity["model_id"], identity["model_dtype"], layout, tp_rank,
-                                 identity["tp_size"], slot_bytes_for(layout.page_bytes),
-                                 attn_dp_size=identity.get("attn_dp_size", 1), shared_host_copy=shared)
+                                 identity["tp_size"], slot_bytes_for(tier_page_bytes(config, layout, "nvme")),
+                                 attn_dp_size=identity.get("attn_dp_size", 1), shared_host_copy=shared,
+                                 page_format=fmt)
     if not (nvme_dir / NVME_FILE_NAME).exists() and (nvme_dir / INDEX_FILE_NAME).exists():
         logger.warning("hiradix: %s has an NVMe index but no slot file; starting empty", nvme_dir)
         (nvme_dir / INDEX_FILE_NAME).unlink()
@@ -165,7 +186,7 @@ def dram_bytes_of(config: Any, layout: KVLayout, device_pages: int) -> int:
     return dram_bytes
 def _nvme_slots(config: Any, layout: KVLayout) -> int:
     """NVMe slots of ``--hiradix-nvme-gb`` (0: no NVMe tier)."""
-    return max(0, config.nvme_bytes) // slot_bytes_for(layout.page_bytes)
+    return max(0, config.nvme_bytes) // slot_bytes_for(tier_page_bytes(config, layout, "nvme"))
 
 
 def _nvme_tier(config: Any, layout: KVLayout, tp_rank: int, page_size: int, identity: Optional[dict],
@@ -179,7 +200,7 @@ def _nvme_tier(config: Any, layout: KVLayout, tp_rank: int, page_size: int, iden
     lock_fd = lock_dir(nvme_dir)  # also makes it private (0700)
     index, pages = None, []
     if identity is not None:
-        index, pages = _open_index(nvme_dir, identity, layout, tp_rank, nvme_slots, page_size, shared)
+        index, pages = _open_index(nvme_dir, identity, layout, tp_rank, nvme_slots, page_size, shared, config)
     return nvme_dir, nvme_slots, lock_fd, index, pages
 
 
@@ -244,14 +265,15 @@ def build_tiers(
         if identity is None:
             raise ValueError("the cluster store needs the model identity for its keys")
         key_prefix = store_key_prefix(identity["model_id"], identity["model_dtype"], layout, group_rank,
-                                      identity["tp_size"], attn_dp_size=identity.get("attn_dp_size", 1))
+                                      identity["tp_size"], attn_dp_size=identity.get("attn_dp_size", 1),
+                                      page_format="store" in cold_tiers_of(config) and config.cold_format or "exact")
     client = None
     if (nvme_slots > 0 or key_prefix is not None) and not owner:
         client = ReplicaIOClient()  # rank 0's worker moves this rank's pages too
     elif nvme_slots > 0 or key_prefix is not None:
         client = start_worker(dram, nvme_dir, nvme_slots, shm_dir, io_backend, keep=index is not None and index.reused,
                               store_backend=config.store_backend or "", store_config=config.store_config,
-                              tp_rank=tp_rank, store_writer=is_store_writer(layout, group_rank))
+                              tp_rank=tp_rank, store_writer=is_store_writer(layout, group_rank), config=config)
     books = TierBooks(tree, dram_pages, nvme_slots)
     loader = LayerwiseLoader(layout.num_layers, device, counter_factory)
     barrier = (lambda: torch.distributed.barrier(group=tp_group)) if shared else None
@@ -266,7 +288,10 @@ def build_tiers(
                            store_read=config.store_read)
     # Host bytes this process reserves (the metrics' sglang:hiradix_reserved_bytes): 0 on a rank
     # that uses the owner's copy.
-    tiers.reserved_bytes = (dram.dram_bytes, nvme_slots * slot_bytes_for(layout.page_bytes)) if owner else (0, 0)
+    tiers.reserved_bytes = ((dram.dram_bytes, nvme_slots * slot_bytes_for(tier_page_bytes(config, layout, "nvme")))
+                            if owner else (0, 0))
+    tiers.tier_page_bytes = (layout.page_bytes, layout.page_bytes, tier_page_bytes(config, layout, "nvme"),
+                             tier_page_bytes(config, layout, "store"))
     tiers.on_close(dram.close)
     tiers.on_close(lambda: shutil.rmtree(shm_dir, ignore_errors=True))
     if index is not None or not owner:  # a rank that maps the owner's copy restores the owner's pages
@@ -275,8 +300,9 @@ def build_tiers(
         tiers.on_close(index.close)
     if lock_fd >= 0:
         tiers.on_close(lambda: os.close(lock_fd))
-    logger.info("hiradix tiers: DRAM %d pages (%d B each) at %s; NVMe %d slots; cluster store %s%s",
-                dram_pages, layout.page_bytes, dram.path, nvme_slots,
+    logger.info("hiradix tiers: DRAM %d pages (%d B each) at %s; NVMe %d slots (%d B pages); cluster store %s%s%s",
+                dram_pages, layout.page_bytes, dram.path, nvme_slots, tier_page_bytes(config, layout, "nvme"),
                 f"{config.store_backend} (keys {key_prefix}*)" if key_prefix else "off",
-                "" if not shared else f"; one host copy per node, {'owned' if owner else 'mapped'} by this rank")
+                "" if not shared else f"; one host copy per node, {'owned' if owner else 'mapped'} by this rank",
+                f"; {config.cold_format} pages in {', '.join(cold_tiers_of(config))}" if cold_tiers_of(config) else "")
     return tiers, loader

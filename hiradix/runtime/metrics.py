@@ -91,7 +91,9 @@ class TierMetrics:
     Args:
         labels: SGLang's radix-cache labels of this rank (values are made strings).
         page_size: tokens per page.
-        page_bytes: bytes per page (all layers, K and V).
+        page_bytes: bytes per page (all layers, K and V), as DRAM holds it.
+        tier_page_bytes: bytes per page in each tier (:data:`TIERS` order), when a tier holds
+            pages in another format (``--hiradix-cold-format``); default ``page_bytes`` everywhere.
         capacity_pages: pages per tier, in :data:`TIERS` order (HBM: the device pool's pages;
             0 for a tier that is absent, and for the cluster store, whose size is the store's).
         registry: the prometheus_client registry (default: the process's, which SGLang's
@@ -101,7 +103,8 @@ class TierMetrics:
     """
 
     def __init__(self, labels: dict[str, Any], page_size: int, page_bytes: int, capacity_pages: tuple[int, ...],
-                 registry: Any = None, reserved_bytes: tuple[int, int] = (0, 0)):
+                 registry: Any = None, reserved_bytes: tuple[int, int] = (0, 0),
+                 tier_page_bytes: Optional[tuple[int, ...]] = None):
         from prometheus_client import REGISTRY, Counter, Gauge
 
         registry = REGISTRY if registry is None else registry
@@ -109,6 +112,8 @@ class TierMetrics:
         self.labels = {k: str(v) for k, v in labels.items()}
         self.page_size = page_size
         self.page_bytes = page_bytes
+        # bytes of a page as each tier holds it (a compressed NVMe/store tier: the encoded size)
+        self.tier_page_bytes = tier_page_bytes or (page_bytes,) * len(TIERS)
         self._seen: dict[tuple, float] = {}
         self.metric: dict[str, Any] = {}
         names = list(self.labels)
@@ -122,9 +127,9 @@ class TierMetrics:
             for value in s.values or (None,):
                 m.labels(**self._labels(s, value))  # the label set exists (at 0) from the start
             self.metric[s.name] = m
-        for tier, pages in zip(TIERS, capacity_pages):
+        for tier, pages, size in zip(TIERS, capacity_pages, self.tier_page_bytes):
             self._set("sglang:hiradix_tier_capacity_tokens", pages * page_size, tier)
-            self._set("sglang:hiradix_tier_capacity_bytes", pages * page_bytes, tier)
+            self._set("sglang:hiradix_tier_capacity_bytes", pages * size, tier)
         for tier, size_bytes in zip(HOST_TIERS, reserved_bytes):
             self._set("sglang:hiradix_reserved_bytes", size_bytes, tier)
 
@@ -168,9 +173,9 @@ class TierMetrics:
         for tier, value in zip(TIERS, books.dropped_tokens):
             self._advance("sglang:hiradix_dropped_tokens_total", value, tier)
         self._advance("sglang:hiradix_admission_skips_total", stats.admission_skips)
-        for tier, tokens in zip(TIERS, tier_tokens):
+        for tier, tokens, size in zip(TIERS, tier_tokens, self.tier_page_bytes):
             self._set("sglang:hiradix_tier_used_tokens", tokens, tier)
-            self._set("sglang:hiradix_tier_used_bytes", tokens // self.page_size * self.page_bytes, tier)
+            self._set("sglang:hiradix_tier_used_bytes", tokens // self.page_size * size, tier)
         in_flight = collections.Counter(op.kind.name for op in books.ops.values())
         for kind in KINDS:
             self._set("sglang:hiradix_transfers_in_flight", in_flight.get(kind, 0), kind)

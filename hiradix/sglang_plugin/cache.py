@@ -161,7 +161,8 @@ class TieredRadixCache(BasePrefixCache):
         books = self.tiers.books
         pages = (self.token_to_kv_pool_allocator.size // self.page_size, books.dram.capacity,
                  books.nvme.capacity if books.nvme is not None else 0, 0)  # the store's size is not ours
-        return TierMetrics(labels, self.page_size, self.tiers.page_bytes, pages, reserved_bytes=self.tiers.reserved_bytes)
+        return TierMetrics(labels, self.page_size, self.tiers.page_bytes, pages, reserved_bytes=self.tiers.reserved_bytes,
+                           tier_page_bytes=getattr(self.tiers, "tier_page_bytes", None))
 
     @property
     def last_view(self) -> Optional[QueueView]:

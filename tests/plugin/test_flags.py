@@ -763,7 +763,7 @@ def test_config_json_and_pickle_round_trip(config):
         ("{not json", "HIRADIX_CONFIG is not valid JSON"),
         ("[1, 2]", "HIRADIX_CONFIG must be a JSON object"),
         (json.dumps({**json.loads(HiRadixConfig().to_json()), "extra": 1}), "HIRADIX_CONFIG has unknown keys ['extra']"),
-        (json.dumps({"dram_bytes": 1}), "HIRADIX_CONFIG lacks keys ['context_overflow', 'dram_mode', 'dram_ratio'"),
+        (json.dumps({"dram_bytes": 1}), "HIRADIX_CONFIG lacks keys ['cold_format', 'cold_tiers', 'context_overflow'"),
         (HiRadixConfig().to_json().replace("4000000000", "-1000000000"), "--hiradix-dram-gb must be > 0, got -1"),
     ],
 )
