@@ -172,6 +172,10 @@ def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -
         refuse(str(e))
     if config.has_store_tier:
         refuse_unreachable_store(config)
+    kv_dtype = str(getattr(result, "kv_cache_dtype", "auto") or "auto")
+    if config.cold_format != "exact" and kv_dtype not in ("auto", "float32", "bfloat16", "float16", "bf16", "fp16"):
+        refuse(f"--hiradix-cold-format {config.cold_format} compresses 16/32-bit KV pages; --kv-cache-dtype "
+               f"{kv_dtype} is already quantized: use --hiradix-cold-format exact")
     if config.context_overflow != "off":
         refuse_context_overflow_with_pd(result)
         problem = hooks.install_launcher()
