@@ -232,3 +232,35 @@ def test_wrong_page_shape_raises():
     codec = PageCodec(gqa(torch.bfloat16), "fp8")
     with pytest.raises(ValueError, match="uint8"):
         codec.encode_pages(torch.zeros(2, 100, dtype=torch.uint8))
+
+
+def test_e4m3_bit_decode_equals_torch_cast():
+    from hiradix.dataplane.kv_codec import E4M3_IN_FP16_SCALE, _e4m3_as_fp16_bits
+
+    codes = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8).view(1, -1)
+    expected = codes.view(torch.float8_e4m3fn).float()
+    assert torch.equal(_e4m3_as_fp16_bits(codes).float() * E4M3_IN_FP16_SCALE, expected)  # subnormals, -0 included
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_chunked_batches_equal_one_chunk(fmt):
+    layout = mla(torch.float16)
+    pages = make_pages(layout, seed=5)
+    whole, chunked = PageCodec(layout, fmt), PageCodec(layout, fmt)
+    assert whole.chunk_pages >= NUM_PAGES
+    chunked.chunk_pages = 2  # chunks [0, 2) and [2, 3)
+    encoded = whole.encode_pages(pages)
+    assert torch.equal(chunked.encode_pages(pages), encoded)
+    a, b = torch.empty_like(pages), torch.empty_like(pages)
+    whole.decode_pages(encoded, a)
+    chunked.decode_pages(encoded, b)
+    assert torch.equal(a, b)
+
+
+def test_int4_refuses_small_pages():
+    # ps = 4: a key group is 4 values + 4 bytes of scale/zero = 12 bits per key, worse than fp8
+    with pytest.raises(ValueError, match="page_size >= 8"):
+        PageCodec(KVLayout(2, 4, 2, 64, torch.bfloat16), "int4")
+    PageCodec(KVLayout(2, 4, 2, 64, torch.bfloat16), "fp8")
+    assert PageCodec(KVLayout(2, 8, 2, 64, torch.bfloat16), "int4").encoded_bytes < \
+        PageCodec(KVLayout(2, 8, 2, 64, torch.bfloat16), "fp8").encoded_bytes
