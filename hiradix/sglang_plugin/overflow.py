@@ -149,8 +149,14 @@ class ContextOverflow:
         head) with which the prompt fits, or None (only in modes that reuse KV)."""
         if self.mode == "recompute":
             return None
-        for drop in shift_sources(self.cache.tree, tokens, keep, namespace):
-            if drop > 0 and len(tokens) - drop + reserve <= context:
+        tree = self.cache.tree
+        for drop in shift_sources(tree, tokens, keep, namespace):
+            if drop == 0 or len(tokens) - drop + reserve > context:
+                continue
+            # a branch that only starts with a repeated page is not an earlier cut: it must go on
+            want = min(len(tokens) - keep - drop, MIN_MOVED_TOKENS) // tree.page_size * tree.page_size
+            m = tree.match(list(tokens[:keep]) + tokens[keep + drop :], namespace, split=False, touch=False)
+            if m.matched_len - keep >= want:
                 return Truncation(keep_tokens=keep, drop_tokens=drop, prompt_tokens=len(tokens))
         return None
 
