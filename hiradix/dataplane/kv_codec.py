@@ -32,7 +32,8 @@ dtype: 2^-24 fp32, 2^-8 bf16, 2^-11 fp16):
   nibble). Bound: ``|x - x'| <= scale / 2`` plus the source rounding ``u |x'|``, with
   ``scale ~= (max - min) / 15`` of the group. Size: 4 bits per element + 4 bytes per group
   (keys' groups are ``ps`` long: at ``ps = 16`` keys cost 6 bits, values 4.5 bits at ``D = 64``,
-  3.04x vs 16-bit; 3.55x at ``ps = 64``; refused below ``ps = 8``, where fp8 is smaller).
+  3.04x vs 16-bit; 3.55x at ``ps = 64``; below ``INT4_MIN_PAGE_SIZE`` = 8 an int4 page is larger
+  than an fp8 one, and at ``ps = 1`` larger than the source: choosing it there is the caller's call).
   ``encode`` raises ``ValueError`` for a page whose values pass fp16's range (|x| > 65504).
 
 Payloads: ``exact`` the page; ``fp8`` fp32 scales ``[L, planes, G]`` (G = KV heads, MLA 1) then
@@ -66,7 +67,7 @@ HEADER_BYTES = 32
 _HEADER = struct.Struct("<4sBBBBIIIIII")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT4_LEVELS = 15  # codes 0..15
-INT4_MIN_PAGE_SIZE = 8  # below, a key group (one channel over ps tokens) costs more than fp8
+INT4_MIN_PAGE_SIZE = 8  # below, a key group (one channel over ps tokens) makes int4 pages larger than fp8's
 INT4_TOKEN_GROUP_MAX = 64  # values per token group when head_dim (or kv_lora_rank) is larger
 CHUNK_SOURCE_BYTES = 1 << 20  # source bytes per vectorized step (see PageCodec.encode_pages)
 E4M3_IN_FP16_SCALE = 256.0  # see _e4m3_as_fp16_bits
@@ -105,9 +106,8 @@ class PageCodec:
         fmt: one of :data:`FORMATS`.
 
     Raises:
-        ValueError: unknown format, a dtype other than float32/bfloat16/float16 (fp8 or uint8
-            pools are already compressed and must use another path), or int4 with a page size
-            below ``INT4_MIN_PAGE_SIZE`` (8).
+        ValueError: unknown format, or a dtype other than float32/bfloat16/float16 (fp8 or uint8
+            pools are already compressed and must use another path).
     """
 
     def __init__(self, layout: KVLayout, fmt: str) -> None:
@@ -116,9 +116,6 @@ class PageCodec:
         if layout.dtype not in DTYPE_IDS:
             raise ValueError(f"KV page codec needs a float32/bfloat16/float16 pool, got {layout.dtype} "
                              "(an fp8/uint8 store dtype is already quantized)")
-        if fmt == "int4" and layout.page_size < INT4_MIN_PAGE_SIZE:
-            raise ValueError(f"int4 needs page_size >= {INT4_MIN_PAGE_SIZE} (keys are quantized per channel over "
-                             f"a page's tokens), got {layout.page_size}; use fp8")
         self.layout = layout
         self.fmt = fmt
         self.num_elements = layout.num_layers * layout.layer_page_elements  # per page

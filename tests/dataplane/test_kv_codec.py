@@ -257,10 +257,13 @@ def test_chunked_batches_equal_one_chunk(fmt):
     assert torch.equal(a, b)
 
 
-def test_int4_refuses_small_pages():
+def test_int4_small_pages_work_but_cost_more_than_fp8():
+    from hiradix.dataplane.kv_codec import INT4_MIN_PAGE_SIZE
+
     # ps = 4: a key group is 4 values + 4 bytes of scale/zero = 12 bits per key, worse than fp8
-    with pytest.raises(ValueError, match="page_size >= 8"):
-        PageCodec(KVLayout(2, 4, 2, 64, torch.bfloat16), "int4")
-    PageCodec(KVLayout(2, 4, 2, 64, torch.bfloat16), "fp8")
-    assert PageCodec(KVLayout(2, 8, 2, 64, torch.bfloat16), "int4").encoded_bytes < \
-        PageCodec(KVLayout(2, 8, 2, 64, torch.bfloat16), "fp8").encoded_bytes
+    small = KVLayout(2, 4, 2, 64, torch.bfloat16)
+    assert PageCodec(small, "int4").encoded_bytes > PageCodec(small, "fp8").encoded_bytes
+    x, y = round_trip(small, "int4", make_pages(small))
+    assert ((x - y).norm() / x.norm()).item() < 0.1
+    at_min = KVLayout(2, INT4_MIN_PAGE_SIZE, 2, 64, torch.bfloat16)
+    assert PageCodec(at_min, "int4").encoded_bytes < PageCodec(at_min, "fp8").encoded_bytes
