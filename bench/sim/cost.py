@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from bench.sim.cold_tier import nvme_source_read_bytes_per_s
 from hiradix.core.load_or_recompute import request_time_s, tokens_worth_loading
 from hiradix.core.node import Tier, TreeMatch, TreeNode
 from hiradix.core.tree import TieredRadixTree
@@ -33,8 +34,9 @@ _TIER_NAME = {Tier.NVME: "nvme", Tier.STORE: "store"}
 
 
 def read_bytes_per_s(cfg) -> dict[str, float]:
-    """Read bandwidth into HBM per tier name, in bytes/s (HBM free)."""
-    return {"hbm": math.inf, "dram": cfg.dram_read_bytes_per_s, "nvme": cfg.nvme_read_bytes_per_s,
+    """Read bandwidth into HBM per tier name, in bytes/s of the model's dtype (HBM free; NVMe: a
+    compressed page moves fewer bytes and is decoded, ``bench/sim/cold_tier.py``)."""
+    return {"hbm": math.inf, "dram": cfg.dram_read_bytes_per_s, "nvme": nvme_source_read_bytes_per_s(cfg),
             "store": cfg.store_read_bytes_per_s}
 
 

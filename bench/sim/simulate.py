@@ -69,6 +69,7 @@ if __package__ in (None, ""):  # run as a script: make `hiradix` and `bench` imp
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.sim.offline import infinite_hit_rates  # noqa: E402,F401 - re-exported (tests, sweep)
+from bench.sim.cold_tier import check_cold_format, nvme_read_s, nvme_read_s_per_page, nvme_slots, nvme_write_s_per_page  # noqa: E402
 from bench.sim.cost import check_load_policy, plan_load, time_saved  # noqa: E402
 from bench.sim.overflow import ConversationCuts, alloc_for_shift, apply_shift, check_overflow_config  # noqa: E402
 from bench.sim.parallel import run_all  # noqa: E402
@@ -131,12 +132,19 @@ class SimConfig:
     context_tokens: Optional[int] = None  # the model's context length, tokens (prompt + output must fit)
     context_overflow: str = "recompute"  # recompute (the kept tail is prefilled again) or shift (its KV re-used)
     context_drop_ratio: float = 0.5  # share of the tokens after the kept head dropped per cut
+    # Compressed NVMe tier (bench/sim/cold_tier.py, hiradix --hiradix-cold-format; issue 21): nvme_tokens stays its
+    # bytes / kv_bytes_per_token, and holds 1/ratio times the tokens; reads and writes move ratio times the bytes.
+    cold_format: str = "exact"  # exact, fp8, int4
+    cold_bytes_ratio: float = 0.0  # encoded / source bytes of a page; 0 = the codec's (Llama-3-8B, 16-bit)
+    cold_decode_bytes_per_s: float = float("inf")  # source bytes decoded per second (one I/O worker); inf = free
+    cold_encode_bytes_per_s: float = float("inf")  # source bytes encoded per second; inf = free
 
     def __post_init__(self) -> None:
         if not 1 <= self.page_size <= BLOCK_TOKENS or BLOCK_TOKENS % self.page_size:
             raise ValueError(f"--page-size must divide {BLOCK_TOKENS}, got {self.page_size}")
         check_load_policy(self.load_policy)
         check_overflow_config(self.context_tokens, self.context_overflow, self.context_drop_ratio)
+        check_cold_format(self.cold_format, self.cold_bytes_ratio, self.cold_decode_bytes_per_s, self.cold_encode_bytes_per_s)
         for name in ("hbm_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "max_running", "time_scale"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -285,11 +293,11 @@ class Engine:
         self.tree = TieredRadixTree(tree_ps, make_policy(policy), clock=self.clock)
         tiers = None
         if lowest_tier != "hbm":
-            nvme_pages = cfg.nvme_tokens // cfg.page_size if lowest_tier == "nvme" else 0
+            nvme_pages = nvme_slots(cfg) if lowest_tier == "nvme" else 0
             tiers = simulated_controller(
                 self.tree, cfg.dram_tokens // cfg.page_size, nvme_pages, cfg.page_bytes, cfg.write_through, self.clock,
-                read_s_per_page=0.0 if cfg.cost_model else cfg.page_bytes / cfg.nvme_read_bytes_per_s,
-                write_s_per_page=cfg.page_bytes / cfg.nvme_write_bytes_per_s,
+                read_s_per_page=0.0 if cfg.cost_model else nvme_read_s_per_page(cfg),
+                write_s_per_page=nvme_write_s_per_page(cfg),
                 store=store, store_read_s_per_page=0.0 if cfg.cost_model else cfg.page_bytes / cfg.store_read_bytes_per_s,
                 store_write_s_per_page=cfg.page_bytes / cfg.store_write_bytes_per_s, store_query_s=cfg.store_query_s,
                 write_selective=cfg.write_selective, dram_staging=cfg.dram_staging,
@@ -442,7 +450,7 @@ class Engine:
         c.ready_tokens += (min(req.protected_len, req.fast_len) + req.shifted_len) * u
         c.nvme_unready_tokens += m.nvme_len * u
         if m.nvme_len:
-            read_s = m.nvme_len // self.tree.page_size * self.cfg.page_bytes / self.cfg.nvme_read_bytes_per_s
+            read_s = nvme_read_s(self.cfg, m.nvme_len // self.tree.page_size)
             read = any(n.ops for n in m.stage(Tier.NVME))
             cause = "read_longer_than_timeout" if read_s > self.cfg.load_timeout_s else "queued" if read else "no_read"
             c.unready_by_cause[cause] += m.nvme_len * u
@@ -548,6 +556,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "trace's unique tokens, with Belady, LRU and the infinite cache")
     p.add_argument("--fractions", default=",".join(str(f) for f in DEFAULT_FRACTIONS),
                    help="--sweep: capacity points (DRAM + NVMe) as fractions of the trace's unique tokens")
+    p.add_argument("--cold-formats", default="",
+                   help="--sweep: compare these NVMe page formats (e.g. exact,fp8,int4) at the same bytes instead "
+                        "(bench/sim/format_sweep.py)")
     p.add_argument("--dram-share", type=float, default=1 / 9, help="--sweep: DRAM's share of each capacity point")
     p.add_argument("--worth-policy", default="predictive",
                    help="--sweep: policy whose NVMe worth (DRAM d + NVMe n vs DRAM d+n alone) is measured; '' = none")
@@ -585,6 +596,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     trace = load_trace(args.trace, args.limit)
     for policy in args.policies.split(","):
         make_policy(policy)  # raises ValueError listing the supported names
+    if args.sweep and args.cold_formats:
+        from bench.sim.format_sweep import format_sweep_main
+
+        return format_sweep_main(args, cfg, trace)
     if args.sweep:
         return sweep_main(args, cfg, trace)
     infinite = infinite_hit_rates(trace, cfg.page_size)

@@ -366,3 +366,46 @@ def test_overflow_report_prints_the_table_and_writes_json(tmp_path, capsys):
     assert [(r["context_tokens"], r["mode"]) for r in rows] == [(None, "unlimited"), (2560, "recompute"), (2560, "shift")]
     assert [r["prefill_tokens"] // BLOCK_TOKENS for r in rows] == [53 - 34, 35 - 17, 35 - 19]  # as by hand above
     assert "| 0.032768 M | 2,560 | shift | 3 (33.3%)" in capsys.readouterr().out
+
+
+def test_cold_format_at_the_same_bytes_holds_more_pages_and_exact_changes_nothing(tmp_path):
+    """Issue 21: a format with half the bytes per token holds twice the pages in the same NVMe bytes and
+    reads each page in half the time; ``exact`` (with codec rates set, which it ignores) gives the
+    simulator's figures without the option, field for field."""
+    from bench.sim.cold_tier import codec_bytes_ratio, nvme_read_s_per_page, nvme_slots, nvme_source_read_bytes_per_s
+
+    trace = load_trace(chat_trace(tmp_path))
+    small = dict(hbm_tokens=6 * BLOCK_TOKENS, dram_tokens=2 * BLOCK_TOKENS, nvme_tokens=5 * BLOCK_TOKENS)
+    exact = ample(cold_format="exact", cold_decode_bytes_per_s=1e6, cold_encode_bytes_per_s=1e6, **small)
+    half = ample(cold_format="fp8", cold_bytes_ratio=0.5, **small)
+    assert (nvme_slots(exact), nvme_slots(half)) == (5, 10)
+    assert nvme_read_s_per_page(half) == pytest.approx(nvme_read_s_per_page(exact) / 2)
+    assert nvme_source_read_bytes_per_s(half) == pytest.approx(2 * exact.nvme_read_bytes_per_s)
+    # the codec's own ratio for Llama-3-8B 16-bit pages of 512 tokens: fp8 ~1/2, int4 ~0.27 (3.7x)
+    assert 0.5 < codec_bytes_ratio("fp8", 512) < 0.501 and 0.26 < codec_bytes_ratio("int4", 512) < 0.28
+    for policy in ("lru", "lookahead"):
+        today = run_scenario(trace, ample(**small), "nvme", policy)
+        same = run_scenario(trace, exact, "nvme", policy)
+        for r in (today, same):
+            r.pop("wall_s")
+        assert same == today
+        halved = run_scenario(trace, half, "nvme", policy)
+        assert sum(halved["hit_tokens"].values()) > sum(today["hit_tokens"].values())  # 10 pages hold more histories
+    with pytest.raises(ValueError, match="exact, fp8, int4"):
+        SimConfig(cold_format="fp4")
+
+
+def test_format_sweep_prints_one_row_per_point_and_format(tmp_path, capsys):
+    path = chat_trace(tmp_path)
+    out = tmp_path / "formats"
+    argv = ["--trace", str(path), "--out-dir", str(out), "--jobs", "1", "--sweep", "--fractions", "0.2",
+            "--cold-formats", "exact,fp8", "--cold-bytes-ratio", "0.5", "--policies", "lru", "--hbm-tokens", "3072",
+            "--cost-model"]
+    assert main(argv) == 0
+    summary = json.loads((out / "formats.json").read_text())
+    (pt,) = summary["points"]
+    exact, fp8 = pt["formats"]["exact"], pt["formats"]["fp8"]
+    assert (exact["nvme_slots"], fp8["nvme_slots"]) == (4, 8)  # 5 blocks: DRAM 1, NVMe 4 (8 at half the bytes)
+    assert fp8["results"]["lru"]["block_hit_rate"] >= exact["results"]["lru"]["block_hit_rate"]
+    printed = capsys.readouterr().out
+    assert "blk% lru" in printed and "saved% lru" in printed and printed.count("fp8") >= 1
