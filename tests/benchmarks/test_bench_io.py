@@ -62,3 +62,21 @@ def test_bench_io_tiny_run_writes_complete_json(tmp_path: Path) -> None:
     meta = result["meta"]
     assert positive(meta["nproc"]) and positive(meta["mem_total_gib"])
     assert meta["file_system"]["fstype"] and meta["command"].endswith(" ".join(argv))
+
+
+def test_cold_io_tiny_run_covers_every_format_through_the_worker(tmp_path: Path) -> None:
+    """``bench/micro/cold_io.py`` (issue 21): one worker per format; every (format, op, variant) timed,
+    the disk page of a lossy format smaller than the source page, exact's own ratio 1."""
+    import bench.micro.cold_io as cold_io
+
+    out_dir = tmp_path / "out"
+    result = cold_io.main(["--shapes", "tiny", "--repeats", "1", "--dir", str(tmp_path / "disk"), "--out", str(out_dir)])
+    assert json.loads((out_dir / "cold_io.json").read_text()) == json.loads(json.dumps(result))
+    rows = result["rows"]
+    assert {(r["format"], r["op"], r["variant"]) for r in rows} == {
+        (f, op, v) for f in ("exact", "fp8", "int4") for op in ("write", "read") for v in ("worker", "jobs")}
+    page = {r["format"]: r["encoded_page_bytes"] for r in rows}
+    assert page["exact"] == 512 and page["fp8"] < page["int4"] < 512  # tiny: 2 layers x K,V x 4 tokens x 2 heads x 8, bf16
+    for r in rows:
+        assert positive(r["tokens_per_s_median"]) and r["tokens"] == 16 * 4
+        assert r["vs_exact"] == (1.0 if r["format"] == "exact" else r["vs_exact"]) and positive(r["vs_exact"])
