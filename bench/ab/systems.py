@@ -5,7 +5,7 @@ names (`BUILTIN_SYSTEMS`; the default set is `DEFAULT_SYSTEMS`): `stock` (RadixA
 pool holds the run's whole working set: the limit any prefix cache of 16-token pages, hiradix's
 default page size, can reach; its `--max-total-tokens` is `ideal_pool_tokens`), `hicache` (stock SGLang HiCache with its `file`
 storage backend), `lru` and `lookahead` (hiradix with that policy), `hiradix` (hiradix
-defaults). A built-in name followed by digits is a duplicate (`stock2` = `stock`): the A/A
+defaults), `hiradix-fp8` (hiradix defaults with `--hiradix-cold-format fp8`). A built-in name followed by digits is a duplicate (`stock2` = `stock`): the A/A
 control. HiCache and hiradix get the same DRAM size (`with_tier_sizes`).
 """
 
@@ -33,6 +33,9 @@ BUILTIN_SYSTEMS: dict[str, tuple[str, ...]] = {
     "lru": ("--enable-hiradix", "--hiradix-policy", "lru"),
     "lookahead": ("--enable-hiradix", "--hiradix-policy", "lookahead"),
     "hiradix": ("--enable-hiradix",),  # the defaults (policy lookahead)
+    # hiradix defaults with fp8 pages on NVMe and in the store (issue 21): the same --hiradix-nvme-gb holds
+    # 2x (16-bit) / 4x (fp32) the tokens; outputs may differ from stock.
+    "hiradix-fp8": ("--enable-hiradix", "--hiradix-cold-format", "fp8"),
     # Stock RadixAttention at hiradix's page size (16: pages are its unit of transfer), so it caches
     # the same whole pages a tiered cache can; its pool is sized to the working set (`ideal_pool_tokens`).
     "ideal": ("--page-size", "16"),

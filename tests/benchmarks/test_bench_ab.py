@@ -319,3 +319,13 @@ def test_hicache_without_its_ram_reserve_stops_before_any_server_starts():
     assert hicache_memory_problem(["stock", "hicache2"], low) is not None  # an A/A copy too
     assert hicache_memory_problem(["stock", "hiradix"], low) is None
     assert hicache_memory_problem(["hicache"], HICACHE_RESERVE_BYTES + 1) is None
+
+
+def test_hiradix_fp8_system_gets_the_cold_format_and_the_same_nvme_bytes(tmp_path):
+    """Issue 21: `hiradix-fp8` is hiradix's defaults plus fp8 cold pages, with the NVMe size every
+    hiradix system of the run gets (the same bytes, so it holds more tokens)."""
+    systems = ab.resolve_systems("hiradix,hiradix-fp8", [], [], [])
+    sized = ab.with_tier_sizes(systems, 2.0, 0.5, 1 << 20, tmp_path)
+    plain, fp8 = (list(s.server_args) for s in sized)
+    assert fp8[fp8.index("--hiradix-cold-format") + 1] == "fp8" and "--hiradix-cold-format" not in plain
+    assert fp8[fp8.index("--hiradix-nvme-gb") + 1] == plain[plain.index("--hiradix-nvme-gb") + 1]
