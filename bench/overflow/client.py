@@ -33,6 +33,7 @@ class Answer:
     elapsed_s: float
     token_logprobs: list = field(default_factory=list)  # [(logprob, token_id)] per returned input position
     top1: list = field(default_factory=list)  # (logprob, token_id) of the top-1 prediction per position
+    cached_details: dict = field(default_factory=dict)  # meta_info.cached_tokens_details (device/host/storage tokens)
 
 
 def generate(base_url: str, input_ids: Sequence[int], logprob_start_len: Optional[int] = None,
@@ -56,7 +57,7 @@ def generate(base_url: str, input_ids: Sequence[int], logprob_start_len: Optiona
     meta = out["meta_info"]
     details = meta.get("cached_tokens_details") or {}
     answer = Answer(meta["prompt_tokens"], meta.get("cached_tokens", 0), details.get("context_truncated_tokens", 0),
-                    details.get("context_shifted_tokens", 0), elapsed)
+                    details.get("context_shifted_tokens", 0), elapsed, cached_details=dict(details))
     if logprob_start_len is not None:
         answer.token_logprobs = [(e[0], e[1]) for e in meta.get("input_token_logprobs") or []]
         answer.top1 = [((e[0][0], e[0][1]) if e else None) for e in meta.get("input_top_logprobs") or []]
