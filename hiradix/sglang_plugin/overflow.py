@@ -106,8 +106,8 @@ class ContextOverflow:
 
     # ------------------------------------------------------------ arrival
     def cut(self, req: Any, context_tokens: int, max_prompt_tokens: int) -> Optional[Truncation]:
-        """Cut ``req.origin_input_ids`` in place if it overflows; None when it fits (or cannot be
-        cut: SGLang's own check then refuses it)."""
+        """Cut ``req.origin_input_ids`` in place if it overflows; None when it fits, or when no cut
+        leaves room for its new tokens (the request is then refused: HTTP 400, as stock)."""
         if getattr(req, "multimodal_inputs", None) is not None or getattr(req, "input_embeds", None) is not None:
             return None
         tokens = list(req.origin_input_ids)
@@ -126,8 +126,11 @@ class ContextOverflow:
             try:
                 cut = plan_truncation(len(tokens), reserve, context, keep, self.drop_ratio, ps)
             except PromptTooLong as e:
+                # Refused as stock SGLang refuses it (HTTP 400), not answered with fewer new tokens
+                # than asked: the launcher hook let it past the tokenizer manager's total check.
                 self.counts["too_long"] += 1
                 logger.info("hiradix: context overflow: %s (request %s)", e, req.rid)
+                req.set_finish_with_abort(f"hiradix --hiradix-context-overflow: {e}; lower max_tokens")
                 return None
         kept = cut.apply(tokens)
         original = req.origin_input_ids

@@ -217,3 +217,18 @@ def test_a_kept_tail_in_dram_is_promoted_then_shifted(servers):
     worst = max(abs(a - b) for a, b in zip(shifted["logprobs"], recomputed["logprobs"]))
     assert worst <= 1e-5, (shifted["logprobs"], recomputed["logprobs"])
     assert "IntegrityError" not in server.log_text()
+
+
+def test_a_request_whose_new_tokens_leave_no_room_is_refused_not_shortened(servers):
+    """max_tokens close to the context: no cut can make room, so it is refused (HTTP 400, as stock
+    refuses it), not answered with fewer new tokens than asked (found by a fresh tester)."""
+    import urllib.error
+
+    body = {"input_ids": list(range(100, 178)), "sampling_params": {"temperature": 0, "max_new_tokens": 310}}  # 78 + 310 > 319 by 69 > the 64 a cut can drop
+    req = urllib.request.Request(f"{servers['neox'].base_url}/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=60)
+    assert refused.value.code == 400
+    assert "cannot be cut to fit a context" in refused.value.read().decode()
+    assert generate(servers["neox"].base_url, list(range(100, 178)))["ids"]  # the server goes on
