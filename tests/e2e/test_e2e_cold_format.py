@@ -15,17 +15,15 @@ computed from decoded fp8 KV stays close to stock's (output logprobs).
 
 from __future__ import annotations
 
-import json
 import random
 import re
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from hiradix.testing.mooncake import MooncakeCluster
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, stop_all
-from tests.helpers.e2e import metric, run_sessions, tier_hits
+from tests.helpers.e2e import generate_with_logprobs, metric, run_sessions, tier_hits
 
 pytestmark = pytest.mark.e2e
 
@@ -63,14 +61,8 @@ def servers(tiny_model, store, tmp_path_factory) -> dict[str, ServerProcess]:
         stop_all(found.values())
 
 
-def generate(base_url: str, input_ids: list[int], new: int = 8) -> dict:
-    body = {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": new}, "return_logprob": True}
-    req = urllib.request.Request(f"{base_url}/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        meta = json.loads(resp.read())["meta_info"]
-    return {"ids": [t[1] for t in meta["output_token_logprobs"]], "logprobs": [t[0] for t in meta["output_token_logprobs"]],
-            "cached": meta.get("cached_tokens", 0), "details": meta.get("cached_tokens_details") or {}}
+def generate(base_url: str, input_ids: list[int]) -> dict:
+    return generate_with_logprobs(base_url, input_ids, 8)
 
 
 @pytest.mark.parametrize("name", ["fp8", "fp8tp2"])

@@ -31,7 +31,7 @@ import pytest
 
 from hiradix.core.context_overflow import plan_truncation
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, stop_all
-from tests.helpers.e2e import metric
+from tests.helpers.e2e import generate_with_logprobs, metric
 
 pytestmark = pytest.mark.e2e
 
@@ -84,16 +84,7 @@ def servers(tiny_model, tmp_path_factory) -> dict[str, ServerProcess]:
 
 
 def generate(base_url: str, input_ids: list[int], salt: str | None = None) -> dict:
-    body = {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": NEW},
-            "return_logprob": True, **({"cache_salt": salt} if salt else {})}
-    req = urllib.request.Request(f"{base_url}/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        out = json.loads(resp.read())
-    meta = out["meta_info"]
-    return {"ids": [t[1] for t in meta["output_token_logprobs"]], "logprobs": [t[0] for t in meta["output_token_logprobs"]],
-            "prompt_tokens": meta["prompt_tokens"], "cached": meta.get("cached_tokens", 0),
-            "details": meta.get("cached_tokens_details") or {}}
+    return generate_with_logprobs(base_url, input_ids, NEW, salt)
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:

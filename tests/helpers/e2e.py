@@ -164,3 +164,18 @@ def dram_pools_mapped(server: ServerProcess) -> set[str]:
         except OSError:
             continue  # a process that exited meanwhile
     return inodes
+
+
+def generate_with_logprobs(base_url: str, input_ids: list[int], max_new_tokens: int, salt: Optional[str] = None) -> dict:
+    """One greedy ``/generate`` of token ids with output logprobs: ``ids``, ``logprobs``,
+    ``prompt_tokens`` (after any server-side cut), ``cached`` and ``details``
+    (``cached_tokens_details``); ``salt`` sets ``cache_salt``."""
+    body = {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
+            "return_logprob": True, **({"cache_salt": salt} if salt else {})}
+    req = urllib.request.Request(f"{base_url}/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        meta = json.loads(resp.read())["meta_info"]
+    return {"ids": [t[1] for t in meta["output_token_logprobs"]], "logprobs": [t[0] for t in meta["output_token_logprobs"]],
+            "prompt_tokens": meta["prompt_tokens"], "cached": meta.get("cached_tokens", 0),
+            "details": meta.get("cached_tokens_details") or {}}
