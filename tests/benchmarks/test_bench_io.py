@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 import bench.micro.tier_io as bench_io
+from tests.helpers.store import requires_mooncake
 
 NVME_FIELDS = ("bytes", "median_s", "best_s", "median_gbps", "best_gbps", "ratio_median", "ratio_best")
 PINGS = 10
@@ -80,3 +81,21 @@ def test_cold_io_tiny_run_covers_every_format_through_the_worker(tmp_path: Path)
     for r in rows:
         assert positive(r["tokens_per_s_median"]) and r["tokens"] == 16 * 4
         assert r["vs_exact"] == (1.0 if r["format"] == "exact" else r["vs_exact"]) and positive(r["vs_exact"])
+
+
+@requires_mooncake
+def test_cold_io_store_tier_reads_back_what_each_format_put(tmp_path: Path) -> None:
+    """``--tiers store``: the worker puts every format's encoded pages into a real loopback Mooncake
+    Store under fresh keys and gets them back (a failed job raises); the store row counts the
+    encoded bytes."""
+    import bench.micro.cold_io as cold_io
+
+    out_dir = tmp_path / "out"
+    result = cold_io.main(["--shapes", "tiny", "--repeats", "1", "--tiers", "store", "--dir", str(tmp_path / "disk"),
+                           "--out", str(out_dir)])  # fmt: skip
+    rows = result["rows"]
+    assert {(r["tier"], r["format"], r["op"], r["variant"]) for r in rows} == {
+        ("store", f, op, v) for f in ("exact", "fp8", "int4") for op in ("write", "read") for v in ("worker", "jobs")}
+    for r in rows:
+        assert r["disk_bytes"] == 16 * r["encoded_page_bytes"] and positive(r["tokens_per_s_median"])
+    assert not list((tmp_path / "disk").glob("hiradix-coldio-*"))  # temporary NVMe files removed

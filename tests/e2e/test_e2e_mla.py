@@ -21,7 +21,6 @@ histories fall to NVMe and come back from it.
 from __future__ import annotations
 
 import json
-import time
 import re
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import pytest
 from hiradix.sglang_plugin.model_check import page_bytes_estimate
 from hiradix.testing.mooncake import MooncakeCluster
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, stop_all
-from tests.helpers.e2e import (assert_same_outputs, chat, dram_pools_mapped, metric, mla_model, run_sessions, tier_hits,
+from tests.helpers.e2e import (assert_same_outputs, chat, settled, dram_pools_mapped, metric, mla_model, run_sessions, tier_hits,
                                 user_turn)
 
 pytestmark = pytest.mark.e2e
@@ -172,17 +171,6 @@ def test_restart_re_indexes_the_nvme_tier_of_latent_pages(mla_servers, tmp_path)
     assert logged and int(logged.group(1)) == restored > 0, log[-3000:]
     assert after["text"] == before["text"] and after["details"].get("device", 0) == 0
     assert after["cached"] >= PAGE_TOKENS, after  # from the re-indexed NVMe pages (or the store)
-
-
-def settled(read, done, timeout_s: float = 15.0, poll_s: float = 0.5):
-    """``read()`` once ``done(value)`` holds, or its last value after ``timeout_s``: each rank
-    publishes its counters at its own scheduler step (about once a second when idle)."""
-    deadline = time.monotonic() + timeout_s
-    value = read()
-    while not done(value) and time.monotonic() < deadline:
-        time.sleep(poll_s)
-        value = read()
-    return value
 
 
 def test_tp2_ranks_share_one_host_copy_and_one_store_copy_and_match_stock_tp2(mla_servers, store):

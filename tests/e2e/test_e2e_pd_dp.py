@@ -28,9 +28,11 @@ from pathlib import Path
 
 import pytest
 
+from hiradix.core.decode_offload import offload_span
 from hiradix.testing.router import RouterProcess
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, pick_free_port, stop_all
-from tests.helpers.e2e import WORDS, assert_same_outputs, dram_pools_mapped, metric, mla_model, run_sessions, tier_hits
+from tests.helpers.e2e import (WORDS, assert_same_outputs, dram_pools_mapped, metric, mla_model, run_sessions, settled,
+                               tier_hits)
 from tests.helpers.store import requires_mooncake
 
 pytestmark = [pytest.mark.e2e, requires_mooncake]
@@ -89,33 +91,57 @@ def pd(deployments):
     return deployments["prefill"], deployments["decode"], deployments["router"]
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token id lists."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def pages(tokens: int) -> int:
     """``tokens`` rounded down to whole pages, in tokens."""
     return max(tokens, 0) // PAGE * PAGE
 
 
-def test_chats_through_the_pd_router_match_one_stock_server_and_hit_whole_histories(pd, stock_outputs):
+def test_chats_through_the_pd_router_match_one_stock_server_and_hit_whole_histories(pd, stock_server, stock_outputs):
     prefill, decode, router = pd
-    got = run_sessions(router.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS)
+    offloaded = [0]  # tokens the decode server's finished requests submitted to the store so far
+
+    def offload_landed(t: int, results: list[list[dict]]) -> None:
+        # The decode server's PUTs are asynchronous: the next turn comes once the store answered
+        # this turn's (a user's think time), so what the turn could hit does not depend on timing.
+        for session in results:
+            r = session[t]
+            offloaded[0] += offload_span(r["prompt_tokens"], r["prompt_tokens"] + r["completion_tokens"] - 1, PAGE)[1]
+        total = lambda: metric(decode.base_url, "sglang:hiradix_decode_offload_tokens_total")  # noqa: E731
+        settled(total, lambda n: n >= offloaded[0] * PAGE, timeout_s=30.0)
+
+    got = run_sessions(router.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS, after_turn=offload_landed)
     assert_same_outputs(got, [session[:TURNS] for session in stock_outputs[:SESSIONS]])
+    # the token ids of those turns, from the stock server (the PD router drops `return_token_ids`)
+    ids = run_sessions(stock_server.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS,
+                       extra_of=lambda s, t: {"return_token_ids": True})
+    assert_same_outputs(ids, got)
     # the prefill server's histories came back from DRAM (promotions) and from NVMe (reads)
     assert metric(prefill.base_url, "sglang:hiradix_moved_tokens_total", kind="PROMOTE") > 0
     assert metric(prefill.base_url, "sglang:hiradix_prefetch_tokens_total", outcome="completed") > 0
     # Whole histories: the decode server holds the KV of the previous prompt and of its answer but
-    # the last token (never fed back), and put its pages into the store. A later turn hits all of
-    # it but at most one page: where the answer's text, tokenized again inside the next prompt,
-    # gives other ids than the model generated, the page holding the answer's start cannot match.
-    # Measured (Dec 2 2026): 16 later turns hit 3,152 tokens of the 3,184 the decode server's KV
-    # covers; two turns lost one page each that way (HF transformers, same model, gives the same
-    # ids); with a stock decode server they hit only the previous prompts' pages: 3,072.
-    later = [(session[t - 1], session[t]) for session in got for t in range(1, TURNS)]
-    for prev, r in later:
-        assert r["cached"] >= pages(prev["prompt_tokens"] + prev["completion_tokens"] - 1) - PAGE, (prev, r)
-    cached = sum(r["cached"] for _, r in later)
-    prompt_pages = sum(pages(prev["prompt_tokens"]) for prev, _ in later)
-    kv_pages = sum(pages(prev["prompt_tokens"] + prev["completion_tokens"] - 1) for prev, _ in later)
-    assert cached >= kv_pages - 2 * PAGE, (cached, kv_pages)
-    assert cached > prompt_pages, (cached, prompt_pages)  # what a stock decode server gives: prompt_pages
+    # the last token (never fed back) and put its pages into the store, so a later turn can hit every
+    # whole page of the previous prompt + answer that its own prompt repeats token for token. (The
+    # answer's text, tokenized again inside the next prompt, often gives other ids than the model
+    # generated; a page holding such a token cannot match, on any server.) A stock decode server
+    # gives only the previous prompt's pages. Per turn the hit may fall short where a load from the
+    # prefill server's NVMe missed its deadline (a miss by design), so the sums are checked.
+    # Measured (Dec 3 2026, 16 later turns): 5 turns could reuse a page holding answer tokens and
+    # all 5 hit it; 3,152 of 3,152 reusable tokens hit; another run lost 144 tokens of one turn.
+    later = [(ids[s][t - 1], ids[s][t], got[s][t]) for s in range(SESSIONS) for t in range(1, TURNS)]
+    reusable = [pages(min(common_prefix(prev["prompt_ids"] + prev["output_ids"][:-1], now["prompt_ids"]),
+                          r["prompt_tokens"] - 1)) for prev, now, r in later]  # fmt: skip
+    cached = [r["cached"] for _, _, r in later]
+    assert sum(cached) >= 0.9 * sum(reusable), (cached, reusable)
+    answer_turns = [(c, pages(prev["prompt_tokens"])) for (prev, _, _), c, n in zip(later, cached, reusable)
+                    if n > pages(prev["prompt_tokens"])]  # fmt: skip
+    assert answer_turns, reusable  # the workload has turns whose answer fills a page the next prompt repeats
+    beyond = sum(c > prompt_pages for c, prompt_pages in answer_turns)
+    assert beyond >= max(1, len(answer_turns) / 2), answer_turns  # a stock decode server: 0
     assert metric(decode.base_url, "sglang:hiradix_decode_offload_tokens_total", outcome="stored") > 0
     assert metric(decode.base_url, "sglang:hiradix_decode_offload_tokens_total", outcome="failed") == 0
     assert metric(prefill.base_url, "sglang:hiradix_store_pages_total", op="found") > 0

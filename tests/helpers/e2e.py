@@ -43,13 +43,17 @@ def chat(base_url: str, messages: list[dict], max_tokens: int = 12, **extra) -> 
     latency_s = time.monotonic() - sent_s
     usage = out["usage"]
     details = (out.get("sglext") or {}).get("cached_tokens_details") or {}
+    choice = out["choices"][0]
     return {
-        "text": out["choices"][0]["message"]["content"],
+        "text": choice["message"]["content"],
         "completion_tokens": usage["completion_tokens"],
         "prompt_tokens": usage["prompt_tokens"],
         "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
         "details": details,
         "latency_s": latency_s,  # request sent -> whole answer received (>= TTFT), in seconds
+        # token ids, when the body asked for them (``return_token_ids=True``)
+        "prompt_ids": choice.get("prompt_token_ids"),
+        "output_ids": choice.get("response_token_ids"),
     }
 
 
@@ -63,13 +67,15 @@ def run_sessions(
     base_url: str, sessions: int, turns: int, words: int, parallel: int = 1,
     before_turn: Optional[Callable[[int], None]] = None, first_session: int = 0,
     extra_of: Optional[Callable[[int, int], dict]] = None,
+    after_turn: Optional[Callable[[int, list[list[dict]]], None]] = None,
 ) -> list[list[dict]]:
     """Turn t of every session, then turn t+1 (interleaved); history keeps the model's answers.
 
     Sessions ``first_session .. first_session + sessions - 1`` (the session number picks the
     user turns' words; result i is session ``first_session + i``). ``before_turn(t)``
     (0-based) runs before the requests of turn t are sent; ``extra_of(i, t)`` gives more body
-    fields for result i's turn t (e.g. ``routed_dp_rank``).
+    fields for result i's turn t (e.g. ``routed_dp_rank``); ``after_turn(t, results)`` runs once
+    every session's turn t was answered (e.g. to wait for asynchronous writes, as think time would).
     """
     histories = [[{"role": "system", "content": "You are a terse assistant."}] for _ in range(sessions)]
     results: list[list[dict]] = [[] for _ in range(sessions)]
@@ -85,6 +91,8 @@ def run_sessions(
             before_turn(t)
         with ThreadPoolExecutor(max_workers=parallel) as pool:
             list(pool.map(lambda s: one(s, t), range(sessions)))
+        if after_turn is not None:
+            after_turn(t, results)
     return results
 
 
@@ -179,3 +187,14 @@ def generate_with_logprobs(base_url: str, input_ids: list[int], max_new_tokens: 
     return {"ids": [t[1] for t in meta["output_token_logprobs"]], "logprobs": [t[0] for t in meta["output_token_logprobs"]],
             "prompt_tokens": meta["prompt_tokens"], "cached": meta.get("cached_tokens", 0),
             "details": meta.get("cached_tokens_details") or {}}
+
+
+def settled(read, done, timeout_s: float = 15.0, poll_s: float = 0.5):
+    """``read()`` once ``done(value)`` holds, or its last value after ``timeout_s``: each rank
+    publishes its counters at its own scheduler step (about once a second when idle)."""
+    deadline = time.monotonic() + timeout_s
+    value = read()
+    while not done(value) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        value = read()
+    return value
