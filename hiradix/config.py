@@ -43,7 +43,7 @@ DRAM_MODES: tuple[str, ...] = ("cache", "staging")
 MLA_HOST_COPIES: tuple[str, ...] = ("node", "rank")
 STORE_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")  # see hiradix.core.store_tier
 COLD_FORMATS: tuple[str, ...] = ("exact", "fp8", "int4")  # hiradix.dataplane.kv_codec.FORMATS
-COLD_TIERS: tuple[str, ...] = ("nvme", "store")  # tiers that may hold compressed pages
+COLD_TIERS: tuple[str, ...] = ("dram", "nvme", "store")  # tiers that may hold compressed pages (top down)
 STORE_READ_MODES: tuple[str, ...] = READ_MODES  # auto, always, never: see hiradix.core.store_reads
 
 
@@ -148,13 +148,12 @@ def _ratio(flag: str, ratio: Any) -> float:
 
 def _cold_tiers(flag: str, value: Any) -> tuple[str, ...]:
     tiers = tuple(t.strip() for t in str(value).split(",") if t.strip())
-    if "dram" in tiers:
-        raise HiRadixConfigError(f"{flag}: dram is not offered: DRAM holds pages at SGLang's dtype (HBM loads "
-                                 "from it layer by layer); compress the tiers below it: nvme, store")
     unknown = [t for t in tiers if t not in COLD_TIERS]
     if unknown or not tiers or len(set(tiers)) != len(tiers):
         raise HiRadixConfigError(f"{flag} must be a comma-separated subset of {list(COLD_TIERS)}, got {value!r}")
-    return tiers
+    if "dram" in tiers:  # NVMe and the store get DRAM's bytes as they are: encoded too
+        return COLD_TIERS
+    return tuple(t for t in COLD_TIERS if t in tiers)
 
 
 FLAGS: tuple[FlagSpec, ...] = (
@@ -216,10 +215,12 @@ FLAGS: tuple[FlagSpec, ...] = (
     FlagSpec("cold_format", "cold_format", str, "exact",
              "Page format of the tiers named by --hiradix-cold-tiers: exact (the model's bytes), fp8 (e4m3, one "
              "scale per page, layer and KV head) or int4 (KIVI groups: keys per channel, values per token); fp8 "
-             "and int4 change outputs (measured in bench/RESULTS.md). HBM and DRAM keep SGLang's dtype.",
+             "and int4 change outputs (measured in bench/RESULTS.md). HBM keeps SGLang's dtype.",
              choices=lambda: list(COLD_FORMATS)),
     FlagSpec("cold_tiers", "cold_tiers", str, "nvme,store",
-             "Comma-separated tiers that hold pages in --hiradix-cold-format: nvme, store.", "TIERS",
+             "Comma-separated tiers that hold pages in --hiradix-cold-format: dram, nvme, store. dram implies "
+             "nvme and store (they get DRAM's encoded bytes): pages are encoded and decoded on the KV device "
+             "(on CUDA after the PCIe copy), DRAM holds 2-4x the tokens.", "TIERS",
              convert=_cold_tiers),
     FlagSpec("mla_host_copy", "mla_host_copy", str, "node",
              "MLA model under TP (every rank holds the same latent): node = one DRAM pool and NVMe tier per "
@@ -271,7 +272,8 @@ class HiRadixConfig:
             `hiradix.core.store_reads`), "always" or "never". Flag `--hiradix-store-read`.
         cold_format: Page format of the cold tiers (``exact``, ``fp8``, ``int4``;
             :mod:`hiradix.dataplane.kv_codec`). Flag `--hiradix-cold-format`.
-        cold_tiers: Tiers holding pages in ``cold_format`` (``nvme``, ``store``). Flag `--hiradix-cold-tiers`.
+        cold_tiers: Tiers holding pages in ``cold_format`` (``dram``, ``nvme``, ``store``; ``dram`` implies the
+            other two), top down. Flag `--hiradix-cold-tiers`.
         context_overflow: What happens to a prompt that overflows the context (``off``, ``shift``,
             ``recompute``, ``noshift``; :mod:`hiradix.core.context_overflow`). Flag `--hiradix-context-overflow`.
         keep_tokens: Leading tokens a cut keeps (-1: the tree's shared head). Flag `--hiradix-keep-tokens`.
@@ -329,6 +331,9 @@ class HiRadixConfig:
             raise HiRadixConfigError(f"{flag['cold_format']} must be one of {list(COLD_FORMATS)}, got {self.cold_format!r}")
         if not isinstance(self.cold_tiers, tuple) or not set(self.cold_tiers) <= set(COLD_TIERS):
             raise HiRadixConfigError(f"{flag['cold_tiers']} must be a subset of {list(COLD_TIERS)}, got {self.cold_tiers!r}")
+        if "dram" in self.cold_tiers and set(self.cold_tiers) != set(COLD_TIERS):
+            raise HiRadixConfigError(f"{flag['cold_tiers']}: dram implies nvme and store (they get DRAM's encoded "
+                                     f"bytes), got {self.cold_tiers!r}")
         timeout = self.load_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
             raise HiRadixConfigError(

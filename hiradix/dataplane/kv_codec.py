@@ -45,9 +45,10 @@ KV, 1.07-1.11 on fp32, decode < 0.5 GB/s per core, and variable sizes (``bench/R
 "KV page codec").
 
 All formats accept source dtypes float32, bfloat16, float16 (SGLang's ``store_dtype``); an fp8 or
-uint8 device pool is refused. Encoding and decoding run on the CPU with torch's intra-op threads
-(``torch.get_num_threads()``), in chunks of about 1 MiB of source pages, with a loop per plane
-(two), never per element.
+uint8 device pool is refused. Encoding and decoding run on the tensors' device: on the CPU (the I/O
+worker; a CPU server's DRAM cold tier) with torch's intra-op threads (``torch.get_num_threads()``), on
+CUDA after the copy when DRAM is a cold tier (:mod:`hiradix.dataplane.encoded_mover`), in chunks of
+about 1 MiB of source pages, with a loop per plane (two), never per element.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ class PageCodec:
         """Encode one page.
 
         Args:
-            page: uint8 ``[page_bytes]`` (CPU, contiguous).
+            page: uint8 ``[page_bytes]`` (contiguous, any device).
 
         Returns:
             uint8 ``[encoded_bytes]``, a new tensor.
@@ -181,8 +182,8 @@ class PageCodec:
         """
         _check_u8(pages, self.layout.page_bytes, "pages")
         n = pages.shape[0]
-        out = torch.empty((n, self.encoded_bytes), dtype=torch.uint8)
-        out[:, :HEADER_BYTES] = self.header
+        out = torch.empty((n, self.encoded_bytes), dtype=torch.uint8, device=pages.device)
+        out[:, :HEADER_BYTES] = self._header_on(pages.device)
         out[:, HEADER_BYTES + self.payload_bytes:] = 0
         payload = out[:, HEADER_BYTES: HEADER_BYTES + self.payload_bytes]
         if self.fmt == "exact":
@@ -205,10 +206,11 @@ class PageCodec:
         """
         self.check_headers(encoded)
         _check_u8(out, self.layout.page_bytes, "out")
-        if (encoded.shape[0] != out.shape[0] or not out.is_contiguous()
+        if (encoded.shape[0] != out.shape[0] or not out.is_contiguous() or out.device != encoded.device
                 or out.storage_offset() % self.layout.dtype.itemsize):
-            raise ValueError(f"decode: {encoded.shape[0]} encoded pages into out {tuple(out.shape)} "
-                             f"(contiguous and aligned to {self.layout.dtype.itemsize} bytes needed)")
+            raise ValueError(f"decode: {encoded.shape[0]} encoded pages on {encoded.device} into out "
+                             f"{tuple(out.shape)} on {out.device} (same device, contiguous and aligned to "
+                             f"{self.layout.dtype.itemsize} bytes needed)")
         payload = encoded[:, HEADER_BYTES: HEADER_BYTES + self.payload_bytes]
         if self.fmt == "exact":
             out.copy_(payload)
@@ -222,12 +224,21 @@ class PageCodec:
         """Raise :class:`FormatMismatch` unless every page of ``encoded`` (uint8 ``[n, bytes]``) has this header."""
         if encoded.dtype != torch.uint8 or encoded.dim() != 2 or encoded.shape[1] < HEADER_BYTES:
             raise FormatMismatch(f"not encoded KV pages: {encoded.dtype} {tuple(encoded.shape)}")
-        bad = (encoded[:, :HEADER_BYTES] != self.header).any(dim=1).nonzero()
+        bad = (encoded[:, :HEADER_BYTES] != self._header_on(encoded.device)).any(dim=1).nonzero()
         if bad.numel():
             raise FormatMismatch(f"page {int(bad[0])}: {describe_header(encoded[int(bad[0])])}; "
                                  f"this codec: {describe_header(self.header)}")
         if encoded.shape[1] != self.encoded_bytes:
             raise FormatMismatch(f"encoded pages of {encoded.shape[1]} bytes, expected {self.encoded_bytes}")
+
+    def _header_on(self, device: torch.device) -> torch.Tensor:
+        """This codec's header (uint8 ``[HEADER_BYTES]``) on ``device`` (one copy per device, kept)."""
+        if self.header.device != device:
+            copies = self.__dict__.setdefault("_headers", {})
+            if device not in copies:
+                copies[device] = self.header.to(device)
+            return copies[device]
+        return self.header
 
     # -- fp8 -------------------------------------------------------------------------------
     def _plane_view(self, x: torch.Tensor, plane: _Plane) -> torch.Tensor:
@@ -275,7 +286,8 @@ class PageCodec:
     def _encode_int4(self, x: torch.Tensor, payload: torch.Tensor) -> None:
         n, num_params = x.shape[0], self._num_params()
         params = payload[:, : 4 * num_params].view(torch.float16).view(n, 2, -1)  # [n, scale|zero, groups]
-        codes = torch.empty((n, self.layout.num_layers, self.layout.layer_page_elements), dtype=torch.uint8)
+        codes = torch.empty((n, self.layout.num_layers, self.layout.layer_page_elements), dtype=torch.uint8,
+                            device=x.device)
         first = 0
         for plane in self._planes:
             g = self._groups(self._plane_view(x, plane).float(), plane)
@@ -381,5 +393,5 @@ def _unpack_nibbles(packed: torch.Tensor, m: int) -> torch.Tensor:
 
 
 def _check_u8(t: torch.Tensor, row_bytes: int, name: str) -> None:
-    if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != row_bytes or t.device.type != "cpu":
-        raise ValueError(f"{name}: expected CPU uint8 [n, {row_bytes}], got {t.device} {t.dtype} {tuple(t.shape)}")
+    if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != row_bytes:
+        raise ValueError(f"{name}: expected uint8 [n, {row_bytes}], got {t.device} {t.dtype} {tuple(t.shape)}")

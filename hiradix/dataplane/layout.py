@@ -397,6 +397,16 @@ def _store_pages_from_host(
             pages[:, cols].index_copy_(0, ids, rows)
 
 
+def gather_pages(
+    k_buffers: Sequence[torch.Tensor], v_buffers: Optional[Sequence[torch.Tensor]], slots: torch.Tensor,
+    layout: KVLayout,
+) -> torch.Tensor:
+    """The pages at token ``slots`` (int64 ``(c * page_size,)``) of all layers, gathered on the
+    buffers' device: ``(c, L, E)`` page-major (``(L, c, E)`` layer-major) of ``layout.dtype``; what
+    :func:`store_pages` would write into ``c`` DRAM pages (the encoded DRAM tier encodes it)."""
+    return _gather_device(k_buffers, v_buffers, slots.to(device=k_buffers[0].device, dtype=torch.int64), layout)
+
+
 def _gather_device(
     k_buffers: Sequence[torch.Tensor], v_buffers: Optional[Sequence[torch.Tensor]], slots: torch.Tensor,
     layout: KVLayout,

@@ -11,6 +11,10 @@ disk and the network carry the compressed bytes (CacheGen, SIGCOMM '24, makes th
 links); decoding runs on the worker's CPU threads here (on CUDA it would run on the device after the
 copy: ``scripts/gpu_check``).
 
+With DRAM itself a cold tier (``--hiradix-cold-tiers dram,...``) the DRAM pages already hold encoded
+pages (the scheduler encodes and decodes on the KV device, :mod:`hiradix.dataplane.encoded_mover`):
+:class:`EncodedDram` then moves them as they are and checks each read page's header.
+
 The arena: ``slots`` blocks of ``chunk_pages`` encoded pages, one per concurrent job (a job takes a
 block and gives it back); the cluster store registers the whole arena once for zero-copy moves.
 """
@@ -97,3 +101,30 @@ class ColdPages:
             for row, i in zip(out, rows):
                 torch.frombuffer(pages[i], dtype=torch.uint8).copy_(row)
         return ok
+
+
+class EncodedDram:
+    """The worker's side of a DRAM pool that holds encoded pages: NVMe and the store get DRAM's
+    bytes as they are; a read page whose header is not ``codec``'s is a miss (False), never misread.
+
+    Args:
+        codec: the DRAM pool's format (its ``encoded_bytes`` is the pool's page size).
+    """
+
+    def __init__(self, codec: PageCodec):
+        self.codec = codec
+
+    @property
+    def encoded_bytes(self) -> int:
+        """Bytes of one page in every tier below HBM."""
+        return self.codec.encoded_bytes
+
+    def write(self, move: Move, ids: Sequence, pages: Sequence[memoryview]) -> list[bool]:
+        """``move`` the DRAM pages as they are."""
+        return [bool(x) for x in move(ids, pages)]
+
+    def read(self, move: Move, ids: Sequence, pages: Sequence[memoryview]) -> list[bool]:
+        """``move`` pages into DRAM, then check each moved page's header."""
+        ok = [bool(x) for x in move(ids, pages)]
+        header = bytes(self.codec.header.tolist())
+        return [x and bytes(p[:HEADER_BYTES]) == header for x, p in zip(ok, pages)]

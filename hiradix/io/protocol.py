@@ -303,7 +303,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
         num_dram_pages: DRAM pool size, in pages.
         nvme_dir: Directory of the NVMe store (as given to ``NvmeStore.create``).
         num_nvme_slots: NVMe store size, in slots.
-        page_bytes: Bytes per page; must equal the layout's ``page_bytes``.
+        page_bytes: Bytes per DRAM page: the layout's ``page_bytes``, or the encoded page's when
+            ``"dram"`` is one of ``cold_tiers``.
         io_backend: NVMe backend name passed to the store ("auto", "posix", "kvikio", ...).
         socket_dir: Private directory (mode 0700) for the ipc socket files.
         threads: Jobs run concurrently, >= 1 (reads and writes overlap).
@@ -321,8 +322,9 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
             bytes under the same keys: MLA under TP, ``fingerprint.is_store_writer``); GETs and
             lookups run as usual.
         cold_format: The page format of the cold tiers (``hiradix.dataplane.kv_codec.FORMATS``).
-        cold_tiers: The tiers holding pages in ``cold_format`` (``"nvme"``, ``"store"``); empty:
-            every tier holds the DRAM page's bytes as they are (:mod:`hiradix.io.cold_pages`).
+        cold_tiers: The tiers holding pages in ``cold_format`` (``"dram"``, ``"nvme"``, ``"store"``);
+            empty: every tier holds the DRAM page's bytes as they are. With ``"dram"`` the DRAM
+            pages are encoded already and move as they are (:mod:`hiradix.io.cold_pages`).
     """
 
     dram_path: str

@@ -97,7 +97,7 @@ from hiradix.io.protocol import (
 )
 from hiradix.dataplane.kv_codec import PageCodec
 from hiradix.dataplane.layout import KVLayout
-from hiradix.io.cold_pages import ColdPages
+from hiradix.io.cold_pages import ColdPages, EncodedDram
 from hiradix.tiers.dram import DramPool
 from hiradix.tiers.files import ensure_private_dir
 from hiradix.tiers.nvme import NVME_FILE_NAME, NvmeStore
@@ -134,18 +134,21 @@ class Worker:
         layout = KVLayout.from_json(spec.layout)
         if not layout.page_major:
             raise ValueError("the I/O worker moves whole pages; it needs a page-major layout")
-        if layout.page_bytes != spec.page_bytes:
-            raise ValueError(f"spec.page_bytes {spec.page_bytes} != layout {layout.page_bytes}")
+        codec = PageCodec(layout, spec.cold_format) if spec.cold_tiers else None
+        encoded_dram = EncodedDram(codec) if "dram" in spec.cold_tiers else None  # DRAM pages are encoded
+        dram_page_bytes = encoded_dram.encoded_bytes if encoded_dram else layout.page_bytes
+        if dram_page_bytes != spec.page_bytes:
+            raise ValueError(f"spec.page_bytes {spec.page_bytes} != the DRAM page's {dram_page_bytes} "
+                             f"(layout {layout.page_bytes}, cold tiers {spec.cold_tiers})")
         if spec.threads < 1 or spec.store_threads < 1:
             raise ValueError(f"spec.threads and spec.store_threads must be >= 1, got {spec.threads}, {spec.store_threads}")
         self.spec = spec
-        self.pool = DramPool.attach(Path(spec.dram_path), layout, spec.num_dram_pages)
+        self.pool = DramPool.attach(Path(spec.dram_path), layout, spec.num_dram_pages, page_bytes=dram_page_bytes)
         self.store, self.cluster = None, None
-        self.nvme_cold, self.store_cold = None, None  # ColdPages of a compressed tier
-        codec = PageCodec(layout, spec.cold_format) if spec.cold_tiers else None
+        self.nvme_cold, self.store_cold = encoded_dram, encoded_dram  # ColdPages of a compressed tier
         try:
             if spec.num_nvme_slots > 0:
-                if "nvme" in spec.cold_tiers:
+                if "nvme" in spec.cold_tiers and encoded_dram is None:
                     self.nvme_cold = ColdPages(codec, COLD_CHUNK_PAGES, spec.threads)
                 self.store = NvmeStore.open(
                     Path(spec.nvme_dir) / NVME_FILE_NAME,
@@ -155,7 +158,7 @@ class Worker:
                 self.faults.attach(self.store)
             if spec.store_backend:
                 self.cluster = _open_cluster_store(spec, self.pool)
-                if "store" in spec.cold_tiers:
+                if "store" in spec.cold_tiers and encoded_dram is None:
                     self.store_cold = ColdPages(codec, COLD_CHUNK_PAGES, spec.store_threads, register=self.cluster.register)
         except BaseException:
             if self.store is not None:

@@ -51,8 +51,8 @@ def cold_tiers_of(config: Any) -> tuple[str, ...]:
 
 
 def tier_page_bytes(config: Any, layout: KVLayout, tier: str) -> int:
-    """Bytes of one page in ``tier`` (``"nvme"``, ``"store"``): the codec's encoded size in a
-    compressed tier (:mod:`hiradix.dataplane.kv_codec`), else the layout's ``page_bytes``."""
+    """Bytes of one page in ``tier`` (``"dram"``, ``"nvme"``, ``"store"``): the codec's encoded size
+    in a compressed tier (:mod:`hiradix.dataplane.kv_codec`), else the layout's ``page_bytes``."""
     if tier not in cold_tiers_of(config):
         return layout.page_bytes
     from hiradix.dataplane.kv_codec import PageCodec
@@ -82,7 +82,7 @@ def start_worker(dram: DramPool, nvme_dir: Optional[Path], nvme_slots: int, shm_
         num_dram_pages=dram.num_pages,
         nvme_dir=str(nvme_dir or ""),
         num_nvme_slots=nvme_slots,
-        page_bytes=dram.layout.page_bytes,
+        page_bytes=dram.page_bytes,
         io_backend=backend,
         socket_dir=str(shm_dir / "sock"),
         parent_pid=os.getpid(),
@@ -91,7 +91,8 @@ def start_worker(dram: DramPool, nvme_dir: Optional[Path], nvme_slots: int, shm_
         tp_rank=tp_rank,
         store_writer=store_writer,
         cold_format=getattr(config, "cold_format", "exact"),
-        cold_tiers=cold_tiers_of(config),
+        # an exact pool under a DRAM cold tier (the PD decode side's staging): the worker encodes
+        cold_tiers=tuple(t for t in cold_tiers_of(config) if t != "dram" or dram.encoded),
     )
     client = IOWorkerClient(spec)
     client.start()
@@ -184,6 +185,17 @@ def dram_bytes_of(config: Any, layout: KVLayout, device_pages: int) -> int:
             )
         logger.info("hiradix: DRAM tier %s x the device pool (%d bytes) = %d bytes", flag, device_bytes, dram_bytes)
     return dram_bytes
+def _host_mover(config: Any, kv_pool: Any, dram: DramPool, loader: LayerwiseLoader, **kwargs: Any) -> HostMover:
+    """The HBM <-> DRAM mover: :class:`EncodedHostMover` (encode/decode on the KV device) when DRAM
+    holds encoded pages, else :class:`HostMover`."""
+    if not dram.encoded:
+        return HostMover(kv_pool, dram, loader, **kwargs)
+    from hiradix.dataplane.encoded_mover import EncodedHostMover
+    from hiradix.dataplane.kv_codec import PageCodec
+
+    return EncodedHostMover(kv_pool, dram, loader, PageCodec(dram.layout, config.cold_format), **kwargs)
+
+
 def _nvme_slots(config: Any, layout: KVLayout) -> int:
     """NVMe slots of ``--hiradix-nvme-gb`` (0: no NVMe tier)."""
     return max(0, config.nvme_bytes) // slot_bytes_for(tier_page_bytes(config, layout, "nvme"))
@@ -239,7 +251,8 @@ def build_tiers(
         hiradix.io.client.WorkerStartError: the I/O worker did not start.
     """
     layout = KVLayout.from_device_pool(kv_pool, page_size)
-    dram_pages = num_pages_for_bytes(dram_bytes_of(config, layout, kv_pool.size // page_size), layout)
+    dram_page_bytes = tier_page_bytes(config, layout, "dram")  # encoded pages when DRAM is a cold tier
+    dram_pages = num_pages_for_bytes(dram_bytes_of(config, layout, kv_pool.size // page_size), layout, dram_page_bytes)
     shm_dir = private_shm_dir(tp_rank)
     multi_rank = tp_group is not None and torch.distributed.get_world_size(tp_group) > 1
     # This rank in the group that shares a batch (the attention-TP group under DP attention): it
@@ -247,9 +260,9 @@ def build_tiers(
     group_rank = torch.distributed.get_rank(group=tp_group) if multi_rank else 0
     shared = wants_shared_copy(layout, tp_group, config.mla_host_copy)  # MLA under TP: one host copy per node
     if shared:
-        dram, shared = shared_dram_pool(layout, dram_pages, group_rank, tp_group)
+        dram, shared = shared_dram_pool(layout, dram_pages, group_rank, tp_group, page_bytes=dram_page_bytes)
     else:
-        dram = DramPool.create_anonymous(layout, dram_pages)
+        dram = DramPool.create_anonymous(layout, dram_pages, page_bytes=dram_page_bytes)
     owner = not shared or group_rank == OWNER_RANK  # moves the pages below HBM (all of them, when shared)
     device = device_buffers(kv_pool, layout)[0][0].device
     if device.type == "cuda":
@@ -277,7 +290,7 @@ def build_tiers(
     books = TierBooks(tree, dram_pages, nvme_slots)
     loader = LayerwiseLoader(layout.num_layers, device, counter_factory)
     barrier = (lambda: torch.distributed.barrier(group=tp_group)) if shared else None
-    mover = HostMover(kv_pool, dram, loader, writes_dram=owner, flush_barrier=barrier)
+    mover = _host_mover(config, kv_pool, dram, loader, writes_dram=owner, flush_barrier=barrier)
     journal = IndexJournal(index, tree) if index is not None else None
     if not owner and nvme_slots > 0 and identity is not None:
         journal = ReplicaJournal()  # the owner persists; this rank keeps the same books
@@ -290,7 +303,7 @@ def build_tiers(
     # that uses the owner's copy.
     tiers.reserved_bytes = ((dram.dram_bytes, nvme_slots * slot_bytes_for(tier_page_bytes(config, layout, "nvme")))
                             if owner else (0, 0))
-    tiers.tier_page_bytes = (layout.page_bytes, layout.page_bytes, tier_page_bytes(config, layout, "nvme"),
+    tiers.tier_page_bytes = (layout.page_bytes, dram_page_bytes, tier_page_bytes(config, layout, "nvme"),
                              tier_page_bytes(config, layout, "store"))
     tiers.on_close(dram.close)
     tiers.on_close(lambda: shutil.rmtree(shm_dir, ignore_errors=True))
@@ -301,7 +314,7 @@ def build_tiers(
     if lock_fd >= 0:
         tiers.on_close(lambda: os.close(lock_fd))
     logger.info("hiradix tiers: DRAM %d pages (%d B each) at %s; NVMe %d slots (%d B pages); cluster store %s%s%s",
-                dram_pages, layout.page_bytes, dram.path, nvme_slots, tier_page_bytes(config, layout, "nvme"),
+                dram_pages, dram_page_bytes, dram.path, nvme_slots, tier_page_bytes(config, layout, "nvme"),
                 f"{config.store_backend} (keys {key_prefix}*)" if key_prefix else "off",
                 "" if not shared else f"; one host copy per node, {'owned' if owner else 'mapped'} by this rank",
                 f"; {config.cold_format} pages in {', '.join(cold_tiers_of(config))}" if cold_tiers_of(config) else "")

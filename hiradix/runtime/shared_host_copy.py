@@ -76,8 +76,10 @@ def _all_ranks(flag: bool, tp_group: Any) -> bool:
     return bool(int(value[0]))
 
 
-def shared_dram_pool(layout: KVLayout, num_pages: int, tp_rank: int, tp_group: Any) -> tuple[DramPool, bool]:
-    """The node's DRAM pool: created by the owner rank, mapped by the others.
+def shared_dram_pool(layout: KVLayout, num_pages: int, tp_rank: int, tp_group: Any,
+                     page_bytes: int | None = None) -> tuple[DramPool, bool]:
+    """The node's DRAM pool: created by the owner rank, mapped by the others (``page_bytes``: of
+    encoded pages, DRAM as a cold tier; None: the layout's).
 
     A collective on ``tp_group``: every rank calls it, after :func:`wants_shared_copy` said yes.
 
@@ -89,13 +91,13 @@ def shared_dram_pool(layout: KVLayout, num_pages: int, tp_rank: int, tp_group: A
         OSError: the owner cannot reserve the pool's memory (as ``DramPool.create_anonymous``).
     """
     owner = tp_rank == OWNER_RANK
-    pool = DramPool.create_anonymous(layout, num_pages) if owner else None
+    pool = DramPool.create_anonymous(layout, num_pages, page_bytes=page_bytes) if owner else None
     where: list[Any] = [str(pool.path) if pool is not None else None]
     torch.distributed.broadcast_object_list(where, group=tp_group, group_src=OWNER_RANK)
     error = ""
     if not owner:
         try:
-            pool = DramPool.attach(Path(where[0]), layout, num_pages)
+            pool = DramPool.attach(Path(where[0]), layout, num_pages, page_bytes=page_bytes)
         except (OSError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
     if _all_ranks(not error, tp_group):
@@ -108,7 +110,7 @@ def shared_dram_pool(layout: KVLayout, num_pages: int, tp_rank: int, tp_group: A
                        tp_rank, OWNER_RANK, where[0], error)
     if pool is not None and not owner:
         pool.close()
-    return (pool if owner else DramPool.create_anonymous(layout, num_pages)), False
+    return (pool if owner else DramPool.create_anonymous(layout, num_pages, page_bytes=page_bytes)), False
 
 
 def share_persisted_pages(pages: list, tp_rank: int, tp_group: Any) -> list:

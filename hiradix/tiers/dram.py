@@ -31,21 +31,22 @@ logger = logging.getLogger(__name__)
 DRAM_FILE_NAME = "dram.kv"
 
 
-def num_pages_for_bytes(dram_bytes: int, layout: KVLayout) -> int:
+def num_pages_for_bytes(dram_bytes: int, layout: KVLayout, page_bytes: int | None = None) -> int:
     """Whole pages that fit in a DRAM budget (rounded down).
 
     Args:
         dram_bytes: DRAM budget in bytes (``--hiradix-dram-gb`` x 1e9).
         layout: the page layout (``layout.page_bytes`` per page).
+        page_bytes: bytes per DRAM page when it holds encoded pages (DRAM as a cold tier,
+            ``PageCodec.encoded_bytes``); None: ``layout.page_bytes``.
 
     Raises:
         ValueError: the budget holds no page at all.
     """
-    num_pages = int(dram_bytes) // layout.page_bytes
+    size = page_bytes or layout.page_bytes
+    num_pages = int(dram_bytes) // size
     if num_pages < 1:
-        raise ValueError(
-            f"DRAM budget {dram_bytes} bytes holds no page of {layout.page_bytes} bytes"
-        )
+        raise ValueError(f"DRAM budget {dram_bytes} bytes holds no page of {size} bytes")
     return num_pages
 
 
@@ -56,17 +57,23 @@ class DramPool:
 
     Attributes:
         path: the backing file.
-        layout: page layout (``layout.page_bytes`` bytes per page).
+        layout: page layout (of the KV the pages hold).
         num_pages: capacity in pages.
+        page_bytes: bytes per page: ``layout.page_bytes``, or the encoded size when the pool holds
+            encoded pages (DRAM as a cold tier, :mod:`hiradix.dataplane.kv_codec`).
+        encoded: whether the pool holds encoded pages (``page_bytes != layout.page_bytes``).
         tensor: ``layout.dram_shape(num_pages)`` of ``layout.dtype``, a view of the mapping
-            (writes are seen by every process that maps the file).
+            (writes are seen by every process that maps the file); uint8 ``(num_pages,
+            page_bytes)`` for encoded pages.
         cuda_pinned: whether :meth:`pin_for_cuda` registered the mapping with CUDA.
         pin_failure: why :meth:`pin_for_cuda` failed, or None.
     """
 
-    def __init__(self, path: Path, layout: KVLayout, num_pages: int, mapping: mmap.mmap, created_dir: bool):
+    def __init__(self, path: Path, layout: KVLayout, num_pages: int, mapping: mmap.mmap, created_dir: bool,
+                 page_bytes: int | None = None):
         """Use :meth:`create` or :meth:`attach`; this wraps an existing mapping."""
-        assert len(mapping) == num_pages * layout.page_bytes, "mapping size != num_pages * page_bytes"
+        self.page_bytes = page_bytes or layout.page_bytes
+        assert len(mapping) == num_pages * self.page_bytes, "mapping size != num_pages * page_bytes"
         self.path = Path(path)
         self.layout = layout
         self.num_pages = num_pages
@@ -74,14 +81,22 @@ class DramPool:
         self._view = memoryview(mapping)
         self._created_dir = created_dir
         self._memfd = -1  # the anonymous pool's file descriptor (create_anonymous), kept open
-        self.tensor = torch.frombuffer(mapping, dtype=layout.dtype).view(layout.dram_shape(num_pages))
+        if self.encoded:
+            self.tensor = torch.frombuffer(mapping, dtype=torch.uint8).view(num_pages, self.page_bytes)
+        else:
+            self.tensor = torch.frombuffer(mapping, dtype=layout.dtype).view(layout.dram_shape(num_pages))
         self._pinned_ptr = 0  # start of the range registered with CUDA; 0 when pageable
         self.pin_failure: str | None = None  # why pin_for_cuda failed (it is not tried again)
 
     @property
+    def encoded(self) -> bool:
+        """Whether the pages are encoded (another size than the layout's page)."""
+        return self.page_bytes != self.layout.page_bytes
+
+    @property
     def dram_bytes(self) -> int:
-        """Size of the mapping in bytes (``num_pages * layout.page_bytes``)."""
-        return self.num_pages * self.layout.page_bytes
+        """Size of the mapping in bytes (``num_pages * page_bytes``)."""
+        return self.num_pages * self.page_bytes
 
     @property
     def cuda_pinned(self) -> bool:
@@ -122,7 +137,7 @@ class DramPool:
             logger.warning("DRAM tier %s: %s", self.path, reason)
 
     @classmethod
-    def create_anonymous(cls, layout: KVLayout, num_pages: int) -> DramPool:
+    def create_anonymous(cls, layout: KVLayout, num_pages: int, page_bytes: int | None = None) -> DramPool:
         """Create the pool in an anonymous memory file (``memfd_create``), reserved and mapped.
 
         Nothing is left behind when the owner exits, even when it is killed: the memory goes
@@ -135,7 +150,8 @@ class DramPool:
         """
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
-        size_bytes = num_pages * layout.page_bytes
+        page_bytes = page_bytes or layout.page_bytes
+        size_bytes = num_pages * page_bytes
         fd = os.memfd_create("hiradix-dram", os.MFD_CLOEXEC)
         try:
             os.fchmod(fd, 0o600)
@@ -148,13 +164,14 @@ class DramPool:
         except BaseException:
             os.close(fd)
             raise
-        pool = cls(Path(f"/proc/{os.getpid()}/fd/{fd}"), layout, num_pages, mapping, created_dir=False)
+        pool = cls(Path(f"/proc/{os.getpid()}/fd/{fd}"), layout, num_pages, mapping, created_dir=False,
+                   page_bytes=page_bytes)
         pool._memfd = fd
-        logger.info("DRAM tier: %d pages x %d bytes in anonymous memory %s", num_pages, layout.page_bytes, pool.path)
+        logger.info("DRAM tier: %d pages x %d bytes in anonymous memory %s", num_pages, page_bytes, pool.path)
         return pool
 
     @classmethod
-    def create(cls, layout: KVLayout, num_pages: int, directory: Path) -> DramPool:
+    def create(cls, layout: KVLayout, num_pages: int, directory: Path, page_bytes: int | None = None) -> DramPool:
         """Create (or replace) ``directory/dram.kv``, reserve its memory, and map it.
 
         The file is ``posix_fallocate``d so a tmpfs that is too small fails here, with
@@ -164,6 +181,7 @@ class DramPool:
             layout: page layout.
             num_pages: capacity in pages (``>= 1``); see :func:`num_pages_for_bytes`.
             directory: private directory (created 0700 if missing), e.g. :func:`default_shm_dir`.
+            page_bytes: bytes per page of an encoded pool (DRAM as a cold tier); None: ``layout.page_bytes``.
 
         Raises:
             ValueError: ``num_pages < 1``.
@@ -174,7 +192,8 @@ class DramPool:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         directory, created_dir = ensure_private_dir(Path(directory))
         path = directory / DRAM_FILE_NAME
-        size_bytes = num_pages * layout.page_bytes
+        page_bytes = page_bytes or layout.page_bytes
+        size_bytes = num_pages * page_bytes
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(path, flags, 0o600)
         try:
@@ -187,18 +206,19 @@ class DramPool:
             mapping = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        logger.info("DRAM tier: %d pages x %d bytes at %s", num_pages, layout.page_bytes, path)
-        return cls(path, layout, num_pages, mapping, created_dir)
+        logger.info("DRAM tier: %d pages x %d bytes at %s", num_pages, page_bytes, path)
+        return cls(path, layout, num_pages, mapping, created_dir, page_bytes=page_bytes)
 
     @classmethod
-    def attach(cls, path: Path, layout: KVLayout, num_pages: int) -> DramPool:
-        """Map an existing pool file (in the I/O worker process).
+    def attach(cls, path: Path, layout: KVLayout, num_pages: int, page_bytes: int | None = None) -> DramPool:
+        """Map an existing pool file (in the I/O worker process); ``page_bytes`` as in :meth:`create`.
 
         Raises:
             FileNotFoundError: no such file.
             PermissionError: the file is group/world accessible or owned by another user.
-            ValueError: its size is not ``num_pages * layout.page_bytes``.
+            ValueError: its size is not ``num_pages * page_bytes``.
         """
+        page_bytes = page_bytes or layout.page_bytes
         path = Path(path)
         # /proc/<pid>/fd/<n> (an anonymous pool) is a magic link: it must be followed.
         follow = 0 if path.parts[:2] == ("/", "proc") else os.O_NOFOLLOW
@@ -207,20 +227,20 @@ class DramPool:
             st = os.fstat(fd)
             if st.st_uid != os.geteuid() or st.st_mode & 0o077:
                 raise PermissionError(f"{path}: mode {stat.S_IMODE(st.st_mode):04o} uid {st.st_uid}; expected 0600, ours")
-            size_bytes = num_pages * layout.page_bytes
+            size_bytes = num_pages * page_bytes
             if st.st_size != size_bytes or size_bytes == 0:
-                raise ValueError(f"{path} has {st.st_size} bytes, expected {num_pages} pages x {layout.page_bytes}")
+                raise ValueError(f"{path} has {st.st_size} bytes, expected {num_pages} pages x {page_bytes}")
             mapping = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        return cls(path, layout, num_pages, mapping, created_dir=False)
+        return cls(path, layout, num_pages, mapping, created_dir=False, page_bytes=page_bytes)
 
     def _check_page(self, page_id: int) -> None:
         if not 0 <= page_id < self.num_pages:
             raise ValueError(f"page id {page_id} out of range [0, {self.num_pages})")
 
     def page_view(self, page_id: int) -> memoryview:
-        """The ``layout.page_bytes`` contiguous bytes of one page, all layers (page-major only).
+        """The ``page_bytes`` contiguous bytes of one page, all layers (page-major only).
 
         Raises:
             ValueError: ``page_id`` out of range, or a layer-major pool (a page is then
@@ -229,8 +249,8 @@ class DramPool:
         if not self.layout.page_major:
             raise ValueError("page_view needs a page-major pool; use layer_page_view per layer")
         self._check_page(page_id)
-        start = page_id * self.layout.page_bytes
-        return self._view[start : start + self.layout.page_bytes]
+        start = page_id * self.page_bytes
+        return self._view[start : start + self.page_bytes]
 
     def layer_page_view(self, layer: int, page_id: int) -> memoryview:
         """The ``layout.layer_page_bytes`` contiguous bytes of one layer of one page.
@@ -238,8 +258,10 @@ class DramPool:
         Holds K then V: ``[2, page_size, num_kv_heads, head_dim]`` of ``layout.dtype``.
 
         Raises:
-            ValueError: ``layer`` or ``page_id`` out of range.
+            ValueError: ``layer`` or ``page_id`` out of range, or an encoded pool (no layer extents).
         """
+        if self.encoded:
+            raise ValueError("an encoded DRAM pool has no per-layer extents; use page_view")
         self._check_page(page_id)
         if not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.layout.num_layers})")
@@ -292,4 +314,4 @@ class DramPool:
         self.close()
 
     def __repr__(self) -> str:
-        return f"DramPool({self.path}, pages={self.num_pages}, page_bytes={self.layout.page_bytes})"
+        return f"DramPool({self.path}, pages={self.num_pages}, page_bytes={self.page_bytes})"

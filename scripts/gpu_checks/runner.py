@@ -8,7 +8,7 @@ Usage::
 
 Installs what the machine lacks offline from ``--wheels`` (``pip install --no-index --no-deps
 --target``; ``*.tar.xz``/``*.tar.gz`` there are unpacked into the same target, e.g. a trimmed
-FlashInfer), imports hiradix from this checkout, runs five independent checks, each in its own
+FlashInfer), imports hiradix from this checkout, runs six independent checks, each in its own
 process with its own time budget (skipped, with the reason, when too little time is left), and
 writes ``results.json`` (every figure) and ``gpu_check.log`` into ``--out``:
 
@@ -21,9 +21,12 @@ writes ``results.json`` (every figure) and ``gpu_check.log`` into ``--out``:
 3. ``mla`` (:mod:`gpu_checks.mla`): MLA latent pages (DeepSeek-V3 rows, ``ckv`` + ``kpe``)
    DRAM -> HBM by each path, bit-exact, GB/s; FlashInfer's paged MLA decode over them against a
    float64 reference.
-4. ``flashinfer`` (:mod:`gpu_checks.attention`): paged attention over pages loaded DRAM ->
+4. ``cold`` (:mod:`gpu_checks.cold`): DRAM as a cold tier: ``fp8`` / ``int4`` pages encoded and
+   decoded on the device (``EncodedHostMover``), device vs CPU codec, error within the format's
+   bound, promote ms and PCIe bytes against the exact mover.
+5. ``flashinfer`` (:mod:`gpu_checks.attention`): paged attention over pages loaded DRAM ->
    HBM, against a float64 reference.
-5. ``dp`` (:mod:`gpu_checks.dp`): stock SGLang with ``--tp-size 2 --attn-dp-size 2`` on the tiny
+6. ``dp`` (:mod:`gpu_checks.dp`): stock SGLang with ``--tp-size 2 --attn-dp-size 2`` on the tiny
    DeepSeek-V2 model against stock ``--tp-size 2``, greedy outputs compared; skipped with fewer
    than 2 GPUs ("needs 2 GPUs (TP 2 x DP 2)") or without SGLang. Run it alone on a 2-GPU machine:
    ``scripts/gpu_check --checks dp --out "$OUT"``.
@@ -56,9 +59,10 @@ from gpu_checks.summary import summary_lines
 
 SCRIPT = REPO_ROOT / "scripts" / "gpu_check"
 DEFAULT_BUDGET_S = 450.0  # the whole script; the device run wraps it in `timeout 470`
-CHECKS = ("layerwise", "nvme", "mla", "flashinfer", "dp")
+CHECKS = ("layerwise", "nvme", "mla", "cold", "flashinfer", "dp")
 # name: (cap of its budget, least time worth starting it with), seconds
-CHECK_BUDGETS = {"layerwise": (120.0, 25.0), "nvme": (80.0, 15.0), "mla": (60.0, 15.0), "flashinfer": (320.0, 40.0),
+CHECK_BUDGETS = {"layerwise": (120.0, 25.0), "nvme": (80.0, 15.0), "mla": (60.0, 15.0), "cold": (45.0, 10.0),
+                 "flashinfer": (320.0, 40.0),
                  "dp": (240.0, 15.0)}  # dp: a skip takes ~5 s; two server starts need >= 100 s of it
 RESERVE_S = 8.0  # kept back for merging and writing results
 _FI_WORKSPACE = "/tmp/gpu_check_flashinfer"
@@ -78,6 +82,10 @@ def _check_fn(name: str):
         from gpu_checks.mla import check_mla
 
         return check_mla
+    if name == "cold":
+        from gpu_checks.cold import check_cold
+
+        return check_cold
     if name == "dp":
         from gpu_checks.dp import check_dp
 

@@ -7,8 +7,25 @@ from typing import Any
 
 def summary_lines(checks: dict[str, Any]) -> list[str]:
     """One block of lines per check, in the order they ran."""
-    return (_layerwise(checks.get("layerwise", {})) + _nvme(checks.get("nvme", {}))
+    return (_layerwise(checks.get("layerwise", {})) + _nvme(checks.get("nvme", {})) + _cold(checks.get("cold", {}))
             + _attention(checks.get("flashinfer", {})) + _dp(checks.get("dp", {})))
+
+
+def _cold(cold: dict[str, Any]) -> list[str]:
+    lines = [f"cold: {cold.get('status')} {cold.get('reason', '')}".rstrip()]
+    exact = cold.get("exact_mover", {})
+    for fmt in ("fp8", "int4"):
+        res = cold.get(fmt, {})
+        codec, mover = res.get("codec", {}), res.get("mover", {})
+        if not mover:
+            lines.append(f"  {fmt}: {res.get('status', '-')} {str(res.get('error', ''))[:90]}")
+            continue
+        lines.append(f"  {fmt}: ratio {codec.get('ratio')}, device encode/decode {codec.get('encode_GBps')}/"
+                     f"{codec.get('decode_GBps')} GB/s, identical to CPU {codec.get('device_cpu_identical_byte_share')}; "
+                     f"promote {mover.get('promote_ms')} ms vs exact {exact.get('promote_ms')} ms, PCIe "
+                     f"{mover.get('pcie_bytes')} vs {exact.get('pcie_bytes')} B, max rel err {mover.get('max_rel_err')} "
+                     f"within bound {mover.get('within_bound')}")
+    return lines
 
 
 def _layerwise(lw: dict[str, Any]) -> list[str]:

@@ -134,7 +134,7 @@ def _run(tmp_path: Path, *extra: str) -> dict:
 def test_cpu_dry_run_exercises_every_check(tmp_path):
     results = _run(tmp_path, "--allow-cpu", "--quick")
     checks = results["checks"]
-    assert set(checks) == {"layerwise", "nvme", "mla", "flashinfer", "dp"}
+    assert set(checks) == {"layerwise", "nvme", "mla", "cold", "flashinfer", "dp"}
     assert checks["dp"]["status"] == "skipped" and checks["dp"]["reason"] == "needs 2 GPUs (TP 2 x DP 2); 0 visible"
     mla = checks["mla"]
     assert mla["status"] == "ok", mla
@@ -144,6 +144,14 @@ def test_cpu_dry_run_exercises_every_check(tmp_path):
         assert mla["load_paths"][path]["load_GBps"] > 0
     assert mla["attention"]["torch_fp32_vs_fp64_rel_err"] < 1e-2
     assert mla["attention"]["flashinfer"] == {"status": "skipped", "reason": "no CUDA device"}
+    cold = checks["cold"]
+    assert cold["status"] == "ok", cold
+    for fmt, ratio in (("fp8", 1.9), ("int4", 2.5)):  # bf16 pages of 16 tokens
+        assert cold[fmt]["codec"]["ratio"] > ratio and cold[fmt]["codec"]["device_cpu_identical_byte_share"] == 1.0
+        mover = cold[fmt]["mover"]
+        assert mover["path"] == "decode" and mover["promote_done"] and mover["within_bound"], mover
+        assert 0 < mover["max_rel_err"] and mover["pcie_bytes"] * ratio < cold["exact_mover"]["pcie_bytes"]
+    assert cold["exact_mover"]["within_bound"] and cold["exact_mover"]["max_rel_err"] == 0.0
     lw = checks["layerwise"]
     assert lw["status"] == "ok", lw
     assert set(lw["variants"]) == {"gather_pinned", "runs_pinned", "host_pageable", "limit_memcpy_pinned"}

@@ -11,6 +11,7 @@ computed from decoded fp8 KV stays close to stock's (output logprobs).
 | stock    | HBM 32,768 tokens                                 | reference                              |
 | fp8      | HBM 2,048, DRAM 0.004 GB, NVMe + store in fp8     | churn, a history read back from NVMe, restart as int4 |
 | fp8tp2   | the same at TP 2 (each rank its own heads; DRAM 0.002 GB: half-size pages) | churn         |
+| fp8dram  | as fp8 with `--hiradix-cold-tiers dram`: DRAM holds fp8 pages (encoded and decoded on the KV device) | churn, a history promoted from DRAM, DRAM capacity |
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def servers(tiny_model, store, tmp_path_factory) -> dict[str, ServerProcess]:
                                log_path=root / "stock.log"),
         "fp8": ServerProcess(tiny_model, extra_args=cpu_args(2048) + cold_flags(root, "fp8", store),
                              env={**cpu_env(), "HIRADIX_CHECK_INTEGRITY": "1"}, log_path=root / "fp8.log"),
+        "fp8dram": ServerProcess(tiny_model, extra_args=cpu_args(2048) + cold_flags(root, "dram", store) + [
+            "--hiradix-cold-tiers", "dram"], env={**cpu_env(), "HIRADIX_CHECK_INTEGRITY": "1"}, log_path=root / "dram.log"),
         "fp8tp2": ServerProcess(tiny_model, extra_args=cpu_args(2048) + cold_flags(root, "tp2", store, dram_gb="0.002") + ["--tp-size", "2"],
                                 env={**cpu_env(tp_size=2), "HIRADIX_CHECK_INTEGRITY": "1"}, log_path=root / "tp2.log",
                                 startup_timeout_s=600),
@@ -65,8 +68,9 @@ def generate(base_url: str, input_ids: list[int]) -> dict:
     return generate_with_logprobs(base_url, input_ids, 8)
 
 
-@pytest.mark.parametrize("name", ["fp8", "fp8tp2"])
-def test_churn_through_fp8_tiers_answers_every_request(servers, name):
+@pytest.mark.parametrize("name, tiers", [("fp8", "nvme, store"), ("fp8tp2", "nvme, store"),
+                                         ("fp8dram", "dram, nvme, store")])
+def test_churn_through_fp8_tiers_answers_every_request(servers, name, tiers):
     server = servers[name]
     got = run_sessions(server.base_url, SESSIONS, TURNS, WORDS, parallel=2)
     assert all(len(session) == TURNS and all(r["completion_tokens"] > 0 for r in session) for session in got)
@@ -74,7 +78,7 @@ def test_churn_through_fp8_tiers_answers_every_request(servers, name):
     assert metric(server.base_url, "sglang:hiradix_store_pages_total", op="put") > 0
     log = server.log_text()
     assert "Traceback" not in log and "IntegrityError" not in log, log[-3000:]
-    assert re.search(r"fp8 pages in nvme, store", log), log[-3000:]
+    assert f"fp8 pages in {tiers}" in log, log[-3000:]
 
 
 def test_a_history_read_back_from_fp8_stays_close_to_stock(servers):
@@ -91,6 +95,33 @@ def test_a_history_read_back_from_fp8_stays_close_to_stock(servers):
     assert got["details"].get("storage", 0) >= 512, got  # read back through the compressed tiers
     worst = max(abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"]))
     assert worst < 0.5, (got["logprobs"], ref["logprobs"])
+
+
+def test_a_history_promoted_from_fp8_dram_stays_close_to_stock_and_dram_holds_more_pages(servers):
+    """DRAM as a cold tier: a 600-token prompt leaves HBM (2,048 tokens) for DRAM, where it is held
+    as fp8 pages; asked again it is promoted (decoded on the device, here the CPU) and its answer's
+    logprobs stay within 0.5 nats of stock's. The same 0.004 GB hold ~4x the pages of the exact
+    float32 DRAM of the `fp8` server."""
+    dram, stock = servers["fp8dram"], servers["stock"]
+    rng = random.Random(7)
+    prompt = [rng.randrange(10, 4000) for _ in range(600)]
+    generate(dram.base_url, prompt)
+    for i in range(4):  # 2,000 more tokens push it out of HBM, not out of DRAM (~490 fp8 pages)
+        generate(dram.base_url, [rng.randrange(10, 4000) for _ in range(500)])
+    again = prompt + [rng.randrange(10, 4000) for _ in range(8)]
+    got, ref = generate(dram.base_url, again), generate(stock.base_url, again)
+    assert got["details"].get("host", 0) >= 512, got  # promoted from the encoded DRAM tier
+    worst = max(abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"]))
+    assert worst < 0.5, (got["logprobs"], ref["logprobs"])
+    assert metric(dram.base_url, "sglang:hiradix_moved_tokens_total", kind="PROMOTE") >= 512
+    sizes = {}
+    for name in ("fp8", "fp8dram"):
+        m = re.search(r"hiradix tiers: DRAM (\d+) pages \((\d+) B each\)", servers[name].log_text())
+        assert m, servers[name].log_text()[-3000:]
+        sizes[name] = (int(m.group(1)), int(m.group(2)))
+    assert sizes["fp8dram"][0] >= 3.5 * sizes["fp8"][0], sizes  # float32 pages -> fp8: ~3.98x
+    assert sizes["fp8dram"][0] * sizes["fp8dram"][1] <= 4_000_000, sizes  # within the same DRAM bytes
+    assert "Traceback" not in dram.log_text()
 
 
 def test_restart_with_another_format_reuses_no_page(servers, tmp_path):

@@ -120,9 +120,11 @@ def test_chats_through_the_pd_router_match_one_stock_server_and_hit_whole_histor
     ids = run_sessions(stock_server.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS,
                        extra_of=lambda s, t: {"return_token_ids": True})
     assert_same_outputs(ids, got)
-    # the prefill server's histories came back from DRAM (promotions) and from NVMe (reads)
+    # the prefill server's histories came back from DRAM (promotions) and from below it: NVMe reads
+    # or store GETs (which of the two depends on what LRU left on NVMe: a CI run read none from NVMe)
     assert metric(prefill.base_url, "sglang:hiradix_moved_tokens_total", kind="PROMOTE") > 0
-    assert metric(prefill.base_url, "sglang:hiradix_prefetch_tokens_total", outcome="completed") > 0
+    assert (metric(prefill.base_url, "sglang:hiradix_prefetch_tokens_total", outcome="completed")
+            + metric(prefill.base_url, "sglang:hiradix_store_pages_total", op="get")) > 0
     # Whole histories: the decode server holds the KV of the previous prompt and of its answer but
     # the last token (never fed back) and put its pages into the store, so a later turn can hit every
     # whole page of the previous prompt + answer that its own prompt repeats token for token. (The

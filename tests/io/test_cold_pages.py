@@ -107,3 +107,52 @@ def test_exact_keeps_todays_bytes_and_fingerprints():
     assert store_key_prefix("m", "float16", LAYOUT, 0, 1) != store_key_prefix("m", "float16", LAYOUT, 0, 1, page_format="fp8")
     assert store_key_prefix("m", "float16", LAYOUT, 0, 1, page_format="fp8") != \
         store_key_prefix("m", "float16", LAYOUT, 0, 1, page_format="int4")
+
+
+def test_an_encoded_dram_pool_moves_as_it_is_and_a_read_checks_each_header(base_dir, monkeypatch):
+    """DRAM as a cold tier: the worker attaches a pool of encoded pages, writes them to NVMe byte
+    for byte and reads them back; a page whose header is not the format's reads as a miss."""
+    from hiradix.io.protocol import WorkerSpec
+
+    codec = PageCodec(LAYOUT, "fp8")
+    pool = DramPool.create(LAYOUT, NUM_DRAM_PAGES, base_dir / "dram-enc", page_bytes=codec.encoded_bytes)
+    nvme = base_dir / "nvme-enc"
+    NvmeStore.create(nvme, codec.encoded_bytes, NUM_NVME_SLOTS, backend="posix", threads=2).close()
+    gen = torch.Generator().manual_seed(5)
+    exact = torch.randn((4, LAYOUT.page_bytes // 2), generator=gen).bfloat16().view(torch.uint8)
+    pool.tensor[:4] = codec.encode_pages(exact)
+    pool.tensor[3, :4] = torch.tensor(list(b"XXXX"), dtype=torch.uint8)  # not a KV page header
+    written = pool.tensor[:4].clone()
+    spec = WorkerSpec(
+        dram_path=str(pool.path), layout=LAYOUT.to_json(), num_dram_pages=NUM_DRAM_PAGES, nvme_dir=str(nvme),
+        num_nvme_slots=NUM_NVME_SLOTS, page_bytes=codec.encoded_bytes, io_backend="posix",
+        socket_dir=str(base_dir / "sock-enc"), threads=2, parent_pid=os.getpid(),
+        cold_format="fp8", cold_tiers=("dram", "nvme", "store"),
+    )
+    monkeypatch.setenv("HIRADIX_FAULTS", "")
+    client = IOWorkerClient(spec, ready_timeout_s=WAIT_S)
+    client.start()
+    try:
+        client.submit_store(1, [0, 1, 2, 3], [0, 1, 2, 3])
+        assert wait_for(client, {1})[1].ok == [True] * 4
+        client.submit_load(2, [0, 1, 2, 3], [4, 5, 6, 7])
+        assert wait_for(client, {2})[2].ok == [True, True, True, False]
+        assert torch.equal(pool.tensor[4:7], written[:3])  # byte for byte: no codec in the worker
+        assert (nvme / "nvme.kv").stat().st_size >= 4 * codec.encoded_bytes
+    finally:
+        client.close()
+        pool.close()
+
+
+def test_a_spec_whose_page_bytes_do_not_match_the_encoded_dram_page_is_refused(base_dir, pool, monkeypatch):
+    from hiradix.io.protocol import WorkerSpec
+    from hiradix.io.worker import Worker
+
+    spec = WorkerSpec(
+        dram_path=str(pool.path), layout=LAYOUT.to_json(), num_dram_pages=NUM_DRAM_PAGES, nvme_dir="",
+        num_nvme_slots=0, page_bytes=LAYOUT.page_bytes, socket_dir=str(base_dir / "sock-x"), parent_pid=os.getpid(),
+        cold_format="fp8", cold_tiers=("dram", "nvme", "store"),
+    )
+    monkeypatch.setenv("HIRADIX_FAULTS", "")
+    with pytest.raises(ValueError, match="DRAM page"):
+        Worker(spec, "ipc:///nonexistent", None)

@@ -998,3 +998,20 @@ def test_decode_side_accepts_the_radix_cache_sglang_disables_there():
     view.disaggregation_mode = "prefill"
     rule, _ = refusals.first_conflict(view)
     assert rule.field == "disable_radix_cache"
+
+
+@pytest.mark.parametrize("given, held", [
+    ("dram", ("dram", "nvme", "store")),  # DRAM's encoded bytes go down as they are
+    ("store,nvme", ("nvme", "store")),
+    ("nvme", ("nvme",)),
+])
+def test_cold_tiers_are_kept_top_down_and_dram_implies_the_tiers_below(given, held):
+    config = HiRadixConfig.from_flags(cold_format="fp8", cold_tiers=given)
+    assert config.cold_tiers == held
+    assert HiRadixConfig.from_json(config.to_json()).cold_tiers == held
+
+
+@pytest.mark.parametrize("given", ["hbm", "dram,dram", ""])
+def test_bad_cold_tiers_are_refused_naming_the_flag(given):
+    with pytest.raises(HiRadixConfigError, match="--hiradix-cold-tiers"):
+        HiRadixConfig.from_flags(cold_format="fp8", cold_tiers=given)
