@@ -28,6 +28,8 @@ from hiradix.core.stats import PREFETCH_OUTCOMES, READ_AHEAD_OUTCOMES, STORAGE_H
 TIERS = ("HBM", "DRAM", "NVMe", "store")  # label values of `tier`, fastest first (core Tier order)
 HOST_TIERS = ("DRAM", "NVMe")  # the tiers whose bytes hiradix reserves on the host
 KINDS = tuple(k.name for k in Kind)  # BACKUP, PROMOTE, DEMOTE, PREFETCH, PUT, GET
+# the lower tier of each transfer kind (index into TIERS): its page size is what the copy moves
+LOWER_TIER = {"BACKUP": 1, "PROMOTE": 1, "DEMOTE": 2, "PREFETCH": 2, "PUT": 3, "GET": 3}
 # StoreTier.counts, in pages; skipped_slow: found, but recomputed (slower to read, hiradix.core.store_reads)
 STORE_OPS = ("lookup", "found", "put", "put_failed", "get", "get_failed", "skipped_slow")
 _STORE_COUNT = {"lookup": "lookup_pages", "found": "lookup_found_pages", "put": "put_pages",
@@ -54,7 +56,9 @@ SERIES: tuple[Series, ...] = (
            "Host bytes this process reserves for a tier (0 where another TP rank holds the copy it uses)", "tier",
            HOST_TIERS),
     Series("sglang:hiradix_moved_tokens_total", "counter", "Tokens moved between tiers, by transfer kind", "kind", KINDS),
-    Series("sglang:hiradix_moved_bytes_total", "counter", "Bytes moved between tiers, by transfer kind", "kind", KINDS),
+    Series("sglang:hiradix_moved_bytes_total", "counter",
+           "Bytes moved between tiers, by transfer kind (pages of the lower tier's size: encoded in a compressed tier)",
+           "kind", KINDS),
     Series("sglang:hiradix_failed_transfers_total", "counter", "Transfers with at least one failed page", "kind", KINDS),
     Series("sglang:hiradix_transfers_in_flight", "gauge", "Transfers in flight, by kind", "kind", KINDS),
     Series("sglang:hiradix_prefetch_tokens_total", "counter", "NVMe -> DRAM reads by outcome", "outcome", PREFETCH_OUTCOMES),
@@ -159,9 +163,10 @@ class TierMetrics:
         overflow = overflow or {}
         self._advance("sglang:hiradix_context_truncated_tokens_total", overflow.get("truncated_tokens", 0))
         self._advance("sglang:hiradix_shifted_tokens_total", overflow.get("shifted_tokens", 0))
-        for kind, value in stats.bytes_moved.items():
-            self._advance("sglang:hiradix_moved_bytes_total", value, kind)
-            self._advance("sglang:hiradix_moved_tokens_total", value // self.page_bytes * self.page_size, kind)
+        for kind, value in stats.bytes_moved.items():  # counted in the model's pages
+            pages = value // self.page_bytes
+            self._advance("sglang:hiradix_moved_bytes_total", pages * self.tier_page_bytes[LOWER_TIER[kind]], kind)
+            self._advance("sglang:hiradix_moved_tokens_total", pages * self.page_size, kind)
         for kind, value in stats.transfers_failed.items():
             self._advance("sglang:hiradix_failed_transfers_total", value, kind)
         for outcome, value in dict(stats.prefetch_tokens, wasted=books.wasted_prefetch_tokens).items():

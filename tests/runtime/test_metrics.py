@@ -217,3 +217,18 @@ def test_dashboard_queries_name_only_exported_series():
     for needed in ("sglang:cached_tokens_total", "sglang:hiradix_tier_used_tokens", "sglang:hiradix_prefetch_tokens_total",
                    "sglang:hiradix_moved_bytes_total", "sglang:hiradix_admission_skips_total"):
         assert needed in named, needed
+
+
+def test_moved_bytes_count_the_lower_tiers_page_size():
+    """Compressed tiers (issue 21): a DEMOTE moves NVMe-sized (encoded) pages, a BACKUP DRAM-sized ones."""
+    registry = CollectorRegistry()
+    m = TierMetrics(LABELS, PAGE_SIZE, PAGE_BYTES, (32, 100, 1000, 0), registry=registry,
+                    tier_page_bytes=(PAGE_BYTES, PAGE_BYTES // 4, PAGE_BYTES // 2, PAGE_BYTES // 2))
+    stats = TierStats()
+    stats.bytes_moved.update(DEMOTE=3 * PAGE_BYTES, BACKUP=2 * PAGE_BYTES, GET=PAGE_BYTES)
+    m.update(stats, books(), [0, 0, 0, 0], None)
+    got = samples(registry)
+    assert got[("sglang:hiradix_moved_bytes_total", (("kind", "DEMOTE"),))] == 3 * (PAGE_BYTES // 2)
+    assert got[("sglang:hiradix_moved_bytes_total", (("kind", "BACKUP"),))] == 2 * (PAGE_BYTES // 4)
+    assert got[("sglang:hiradix_moved_bytes_total", (("kind", "GET"),))] == PAGE_BYTES // 2
+    assert got[("sglang:hiradix_moved_tokens_total", (("kind", "DEMOTE"),))] == 3 * PAGE_SIZE
