@@ -10,16 +10,16 @@ tokens of the same bytes (CacheGen, SIGCOMM '24, makes the case for moving compr
 replaced:
 
 - BACKUP (HBM -> DRAM): the op's token slots are gathered into exact pages on the device
-  (:func:`hiradix.dataplane.layout.gather_pages`), encoded there, and the encoded bytes copied to
-  DRAM. On CUDA this runs on the mover's side stream into a pinned staging buffer; the rows land
-  in DRAM when its event has fired (:meth:`finished`). On the CPU (a CPU server, tests) the copy runs
-  at the next reap, as the base class's.
-- PROMOTE (DRAM -> HBM): at the op's first layer the encoded pages are copied to the device and
-  decoded there once (on CUDA on the layer-wise loader's stream, so the decode overlaps the forward
-  like any load); every layer then scatters its part of the decoded pages into the token slots.
-  The encoded rows are gathered on the host (``index_select``) and copied from pageable memory, so
-  the scheduler thread waits for that (compressed) copy; a pinned staging buffer would let it
-  overlap too (not built).
+  (:func:`hiradix.dataplane.layout.gather_pages`), encoded there, and the encoded rows copied
+  straight into their DRAM pages, one copy per run of consecutive page ids
+  (:func:`hiradix.dataplane.device_copy.contiguous_runs`). On CUDA this runs on the mover's side
+  stream; into the pinned pool the copies are asynchronous and have landed when the op's event fires
+  (the base class's completion). On the CPU (a CPU server, tests) it runs at the next reap, as the
+  base class's.
+- PROMOTE (DRAM -> HBM): at the op's first layer the encoded pages are copied to the device, one
+  copy per run of consecutive DRAM pages, and decoded there once (on CUDA on the layer-wise
+  loader's stream, asynchronous from the pinned pool, so copy and decode overlap the forward like
+  any load); every layer then scatters its part of the decoded pages into the token slots.
 
 Only page-major layouts (the I/O worker's) are supported; a decode whose header is not this codec's
 cannot happen here (this process encoded the page, or the worker checked the header on its read).
@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from hiradix.core.ledger import Kind, Transfer
+from hiradix.dataplane import device_copy
 from hiradix.dataplane import layout as kv_layout
 from hiradix.dataplane.kv_codec import PageCodec
 from hiradix.dataplane.layerwise import LayerwiseLoader
@@ -64,7 +65,6 @@ class EncodedHostMover(HostMover):
             raise ValueError(f"an encoded DRAM pool needs page-major pages of {codec.encoded_bytes} bytes "
                              f"({codec.fmt}), got {dram.page_bytes} (page_major={dram.layout.page_major})")
         self.codec = codec
-        self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # CUDA: op id -> (DRAM ids, pinned rows)
         super().__init__(kv_pool, dram, loader, load_path=None, writes_dram=writes_dram, flush_barrier=flush_barrier)
 
     def _choose_path(self, forced: Optional[str]) -> str:
@@ -75,35 +75,20 @@ class EncodedHostMover(HostMover):
 
     # ---------------------------------------------------------------- backup
     def _copy_backup(self, op: Transfer) -> None:
-        """Gather, encode on the device, copy the encoded rows toward DRAM (CUDA: staged)."""
+        """Gather, encode on the device, copy the encoded rows into their DRAM pages."""
         if not self.writes_dram:
             return  # the owner rank writes these pages of the shared pool
         pages = kv_layout.gather_pages(self._k(), self._v(), self._slots(op), self.layout)  # (n, L, E)
         encoded = self.codec.encode_pages(pages.view(pages.shape[0], -1).view(torch.uint8))
-        ids = torch.as_tensor(list(op.dst_ids), dtype=torch.int64)
-        if encoded.device.type == "cpu":
-            self.dram.tensor.index_copy_(0, ids, encoded)
-            return
-        staging = torch.empty(encoded.shape, dtype=torch.uint8, pin_memory=True)
-        staging.copy_(encoded, non_blocking=True)  # on the side stream; lands when the op's event fires
-        self._staged[op.op_id] = (ids, staging)
-
-    def finished(self) -> list[int]:
-        """Op ids of backups and promotions that have landed; staged CUDA backups are copied into
-        DRAM first."""
-        done = super().finished()
-        for op_id in done:
-            staged = self._staged.pop(op_id, None)
-            if staged is not None:
-                self.dram.tensor.index_copy_(0, staged[0], staged[1])
-        return done
+        for index, first, length in device_copy.contiguous_runs(op.dst_ids):
+            self.dram.tensor[first : first + length].copy_(encoded[index : index + length], non_blocking=True)
 
     # --------------------------------------------------------------- promote
     def promote(self, op: Transfer) -> None:
         """Queue ``op``'s DRAM -> HBM load: decode all its pages at layer 0, scatter each layer."""
         assert op.kind == Kind.PROMOTE
         slots = self._slots(op)
-        ids = torch.as_tensor(list(op.src_ids), dtype=torch.int64)
+        ids = list(op.src_ids)
         decoded: list[torch.Tensor] = []
 
         def copy_layer(layer: int) -> None:
@@ -114,15 +99,12 @@ class EncodedHostMover(HostMover):
 
         self.loader.submit(op.op_id, copy_layer)
 
-    def _decode(self, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def _decode(self, ids: list[int], device: torch.device) -> torch.Tensor:
         """DRAM pages ``ids`` copied to ``device`` encoded and decoded there: ``(n, L, E)`` of the
         layout's dtype."""
-        encoded = self.dram.tensor.index_select(0, ids).to(device)
-        out = torch.empty((ids.numel(), self.layout.page_bytes), dtype=torch.uint8, device=device)
+        encoded = torch.empty((len(ids), self.dram.page_bytes), dtype=torch.uint8, device=device)
+        for index, first, length in device_copy.contiguous_runs(ids):
+            encoded[index : index + length].copy_(self.dram.tensor[first : first + length], non_blocking=True)
+        out = torch.empty((len(ids), self.layout.page_bytes), dtype=torch.uint8, device=device)
         self.codec.decode_pages(encoded, out)
-        return out.view(self.layout.dtype).view(ids.numel(), self.layout.num_layers, -1)
-
-    def drop_pending(self) -> None:
-        """Forget pending copies (after :meth:`flush`, on reset), staged backups included."""
-        super().drop_pending()
-        self._staged.clear()
+        return out.view(self.layout.dtype).view(len(ids), self.layout.num_layers, -1)

@@ -128,6 +128,7 @@ class PageCodec:
         self.header = torch.frombuffer(bytearray(_HEADER.pack(
             MAGIC, VERSION, FORMAT_IDS[fmt], DTYPE_IDS[layout.dtype], 0, layout.num_layers, layout.page_size,
             layout.num_kv_heads, layout.head_dim, layout.rope_dim, self.payload_bytes)), dtype=torch.uint8)
+        self._headers = {self.header.device: self.header}  # the header per device it was needed on
 
     # -- sizes -----------------------------------------------------------------------------
     def _num_params(self, per_channel_only: bool | None = None) -> int:
@@ -233,12 +234,9 @@ class PageCodec:
 
     def _header_on(self, device: torch.device) -> torch.Tensor:
         """This codec's header (uint8 ``[HEADER_BYTES]``) on ``device`` (one copy per device, kept)."""
-        if self.header.device != device:
-            copies = self.__dict__.setdefault("_headers", {})
-            if device not in copies:
-                copies[device] = self.header.to(device)
-            return copies[device]
-        return self.header
+        if device not in self._headers:
+            self._headers[device] = self.header.to(device)
+        return self._headers[device]
 
     # -- fp8 -------------------------------------------------------------------------------
     def _plane_view(self, x: torch.Tensor, plane: _Plane) -> torch.Tensor:

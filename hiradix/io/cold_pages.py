@@ -8,8 +8,8 @@ arena and moves the encoded bytes; a read moves encoded bytes into the arena and
 whose move succeeded and whose header is this codec's into DRAM. A page of another format, dtype
 or layout is a miss, never misread (the header check, on top of the tier's own checksum). So the
 disk and the network carry the compressed bytes (CacheGen, SIGCOMM '24, makes the case for slow
-links); decoding runs on the worker's CPU threads here (on CUDA it would run on the device after the
-copy: ``scripts/gpu_check``).
+links); decoding runs on the worker's CPU threads here, so PCIe carries decoded pages (with DRAM
+as a cold tier the scheduler decodes on the device after the copy instead, see below).
 
 With DRAM itself a cold tier (``--hiradix-cold-tiers dram,...``) the DRAM pages already hold encoded
 pages (the scheduler encodes and decodes on the KV device, :mod:`hiradix.dataplane.encoded_mover`):
@@ -113,6 +113,7 @@ class EncodedDram:
 
     def __init__(self, codec: PageCodec):
         self.codec = codec
+        self._header = bytes(codec.header.tolist())
 
     @property
     def encoded_bytes(self) -> int:
@@ -126,5 +127,4 @@ class EncodedDram:
     def read(self, move: Move, ids: Sequence, pages: Sequence[memoryview]) -> list[bool]:
         """``move`` pages into DRAM, then check each moved page's header."""
         ok = [bool(x) for x in move(ids, pages)]
-        header = bytes(self.codec.header.tolist())
-        return [x and bytes(p[:HEADER_BYTES]) == header for x, p in zip(ok, pages)]
+        return [x and bytes(p[:HEADER_BYTES]) == self._header for x, p in zip(ok, pages)]
