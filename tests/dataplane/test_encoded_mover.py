@@ -6,35 +6,25 @@ promote decodes into the token slots, layer by layer, within the format's bound;
 from __future__ import annotations
 
 import types
+from functools import partial
 
 import pytest
 import torch
 
-from hiradix.core.ledger import Kind, Transfer
 from hiradix.dataplane.encoded_mover import LOAD_PATH, EncodedHostMover
 from hiradix.dataplane.kv_codec import HEADER_BYTES, PageCodec
 from hiradix.dataplane.layerwise import LayerwiseLoader
 from hiradix.dataplane.layout import KVLayout
 from hiradix.tiers.dram import DramPool
+from tests.helpers import transfers
 
 NUM_LAYERS, PAGE_SIZE, HEADS, HEAD_DIM = 3, 8, 2, 32
 DEVICE_PAGES, DRAM_PAGES = 12, 6
 ROWS = DEVICE_PAGES * PAGE_SIZE
+page_slots = partial(transfers.page_slots, PAGE_SIZE)
+backup_op = partial(transfers.backup_op, page_size=PAGE_SIZE)
+promote_op = partial(transfers.promote_op, page_size=PAGE_SIZE)
 BOUND = {"fp8": 0.07, "int4": 0.25}  # max |x - x'| / max |x| per page, loose bounds of each format
-
-
-def page_slots(*device_pages: int) -> torch.Tensor:
-    return torch.cat([torch.arange(p * PAGE_SIZE, (p + 1) * PAGE_SIZE) for p in device_pages])
-
-
-def backup_op(op_id: int, parts: list[torch.Tensor], dram_pages: list[int]) -> Transfer:
-    src = [int(s) for p in parts for s in p[::PAGE_SIZE]]
-    return Transfer(op_id, Kind.BACKUP, [], src, dram_pages, hbm_parts=parts, dst_of=dict(zip(src, dram_pages)))
-
-
-def promote_op(op_id: int, dram_pages: list[int], slots: torch.Tensor) -> Transfer:
-    dst = slots[::PAGE_SIZE].tolist()
-    return Transfer(op_id, Kind.PROMOTE, [], dram_pages, dst, hbm_parts=[slots], dst_of=dict(zip(dram_pages, dst)))
 
 
 def make(tmp_path, layout: KVLayout, fmt: str, buffers: dict[str, list[torch.Tensor]]):

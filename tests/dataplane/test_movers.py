@@ -1,6 +1,6 @@
 """HostMover on the CPU with real K/V buffers and a real DramPool: when bytes move, byte-exact.
 
-Transfers are built by hand as the ledger builds them (``hiradix/core/ledger.py``): a BACKUP
+Transfers are built by hand as the ledger builds them (``tests/helpers/transfers.py``): a BACKUP
 has one slot tensor per node in ``hbm_parts``; a PROMOTE has the one allocated slot tensor.
 K/V hold random bit patterns (NaNs included), so comparisons are on int16 views.
 """
@@ -8,19 +8,23 @@ K/V hold random bit patterns (NaNs included), so comparisons are on int16 views.
 from __future__ import annotations
 
 import types
+from functools import partial
 
 import pytest
 import torch
 
-from hiradix.core.ledger import Kind, Transfer
 from hiradix.dataplane.layerwise import LayerwiseLoader
 from hiradix.dataplane.layout import KVLayout
 from hiradix.dataplane.movers import HostMover
 from hiradix.tiers.dram import DramPool
+from tests.helpers import transfers
 
 NUM_LAYERS, PAGE_SIZE, HEADS, HEAD_DIM = 3, 4, 2, 24
 DEVICE_PAGES, DRAM_PAGES = 12, 6
 ROWS = DEVICE_PAGES * PAGE_SIZE
+page_slots = partial(transfers.page_slots, PAGE_SIZE)
+backup_op = partial(transfers.backup_op, page_size=PAGE_SIZE)
+promote_op = partial(transfers.promote_op, page_size=PAGE_SIZE)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -29,10 +33,6 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def random_bits(shape, gen: torch.Generator) -> torch.Tensor:
     return torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=gen).view(torch.bfloat16)
-
-
-def page_slots(*device_pages: int) -> torch.Tensor:
-    return torch.cat([torch.arange(p * PAGE_SIZE, (p + 1) * PAGE_SIZE) for p in device_pages])
 
 
 @pytest.fixture(params=[True, False], ids=["page_major", "layer_major"])
@@ -66,16 +66,6 @@ def mover(kv, pool) -> HostMover:
 def block(pool: DramPool, page: int, layer: int) -> torch.Tensor:
     """``[2, ps, H, D]`` of one DRAM page of one layer (K then V)."""
     return pool.tensor[page, layer] if pool.layout.page_major else pool.tensor[layer, page]
-
-
-def backup_op(op_id: int, parts: list[torch.Tensor], dram_pages: list[int]) -> Transfer:
-    src = [int(s) for p in parts for s in p[::PAGE_SIZE]]
-    return Transfer(op_id, Kind.BACKUP, [], src, dram_pages, hbm_parts=parts, dst_of=dict(zip(src, dram_pages)))
-
-
-def promote_op(op_id: int, dram_pages: list[int], slots: torch.Tensor) -> Transfer:
-    dst = slots[::PAGE_SIZE].tolist()
-    return Transfer(op_id, Kind.PROMOTE, [], dram_pages, dst, hbm_parts=[slots], dst_of=dict(zip(dram_pages, dst)))
 
 
 def assert_dram_holds(pool, kv, dram_pages, slots) -> None:

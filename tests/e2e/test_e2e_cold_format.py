@@ -68,6 +68,22 @@ def generate(base_url: str, input_ids: list[int]) -> dict:
     return generate_with_logprobs(base_url, input_ids, 8)
 
 
+def read_back_close_to_stock(server: ServerProcess, stock: ServerProcess, seed: int, pushes: int) -> dict:
+    """Send a 600-token prompt, then ``pushes`` other 500-token prompts, then the prompt + 8 tokens
+    again; returns that last answer of ``server`` after asserting its output logprobs are within 0.5
+    nats of ``stock``'s."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(10, 4000) for _ in range(600)]
+    generate(server.base_url, prompt)
+    for _ in range(pushes):
+        generate(server.base_url, [rng.randrange(10, 4000) for _ in range(500)])
+    again = prompt + [rng.randrange(10, 4000) for _ in range(8)]
+    got, ref = generate(server.base_url, again), generate(stock.base_url, again)
+    worst = max(abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"]))
+    assert worst < 0.5, (got["logprobs"], ref["logprobs"])
+    return got
+
+
 @pytest.mark.parametrize("name, tiers", [("fp8", "nvme, store"), ("fp8tp2", "nvme, store"),
                                          ("fp8dram", "dram, nvme, store")])
 def test_churn_through_fp8_tiers_answers_every_request(servers, name, tiers):
@@ -84,17 +100,9 @@ def test_churn_through_fp8_tiers_answers_every_request(servers, name, tiers):
 def test_a_history_read_back_from_fp8_stays_close_to_stock(servers):
     """A 600-token prompt leaves HBM and DRAM for NVMe (fp8); asked again with 8 more tokens it
     hits from storage, and its answer's logprobs stay within 0.5 nats of stock's."""
-    fp8, stock = servers["fp8"], servers["stock"]
-    rng = random.Random(5)
-    prompt = [rng.randrange(10, 4000) for _ in range(600)]
-    generate(fp8.base_url, prompt)
-    for i in range(8):  # other prompts push it out of HBM (2,048 tokens) and DRAM (~122 pages)
-        generate(fp8.base_url, [rng.randrange(10, 4000) for _ in range(500)])
-    again = prompt + [rng.randrange(10, 4000) for _ in range(8)]
-    got, ref = generate(fp8.base_url, again), generate(stock.base_url, again)
+    # 8 other prompts push it out of HBM (2,048 tokens) and DRAM (~122 pages)
+    got = read_back_close_to_stock(servers["fp8"], servers["stock"], seed=5, pushes=8)
     assert got["details"].get("storage", 0) >= 512, got  # read back through the compressed tiers
-    worst = max(abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"]))
-    assert worst < 0.5, (got["logprobs"], ref["logprobs"])
 
 
 def test_a_history_promoted_from_fp8_dram_stays_close_to_stock_and_dram_holds_more_pages(servers):
@@ -102,17 +110,10 @@ def test_a_history_promoted_from_fp8_dram_stays_close_to_stock_and_dram_holds_mo
     as fp8 pages; asked again it is promoted (decoded on the device, here the CPU) and its answer's
     logprobs stay within 0.5 nats of stock's. The same 0.004 GB hold ~4x the pages of the exact
     float32 DRAM of the `fp8` server."""
-    dram, stock = servers["fp8dram"], servers["stock"]
-    rng = random.Random(7)
-    prompt = [rng.randrange(10, 4000) for _ in range(600)]
-    generate(dram.base_url, prompt)
-    for i in range(4):  # 2,000 more tokens push it out of HBM, not out of DRAM (~490 fp8 pages)
-        generate(dram.base_url, [rng.randrange(10, 4000) for _ in range(500)])
-    again = prompt + [rng.randrange(10, 4000) for _ in range(8)]
-    got, ref = generate(dram.base_url, again), generate(stock.base_url, again)
+    dram = servers["fp8dram"]
+    # 2,000 more tokens push it out of HBM, not out of DRAM (~490 fp8 pages)
+    got = read_back_close_to_stock(dram, servers["stock"], seed=7, pushes=4)
     assert got["details"].get("host", 0) >= 512, got  # promoted from the encoded DRAM tier
-    worst = max(abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"]))
-    assert worst < 0.5, (got["logprobs"], ref["logprobs"])
     assert metric(dram.base_url, "sglang:hiradix_moved_tokens_total", kind="PROMOTE") >= 512
     sizes = {}
     for name in ("fp8", "fp8dram"):
