@@ -105,6 +105,29 @@ class _Proc:
         if self.alive():
             os.kill(self.popen.pid, sig)
 
+    def freeze(self, timeout_s: float = 10.0) -> None:
+        """SIGSTOP, then wait until every thread is stopped: ``kill`` returns before the stop
+        reaches a thread running on another core, which could still answer a call sent right after.
+
+        Raises:
+            TimeoutError: a thread was not stopped within ``timeout_s``.
+        """
+        self.signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        while not self._all_threads_stopped():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.label} pid={self.pid} not stopped {timeout_s} s after SIGSTOP")
+            time.sleep(0.005)
+
+    def _all_threads_stopped(self) -> bool:
+        states = []
+        for task in Path(f"/proc/{self.pid}/task").iterdir():
+            try:  # "pid (comm) S ...": the state follows the last ')'
+                states.append(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # a thread that just exited
+        return bool(states) and all(state in "tT" for state in states)
+
     def stop(self, grace_s: float) -> Optional[int]:
         """SIGCONT (a frozen one cannot act on SIGTERM), SIGTERM, wait, then SIGKILL; by PID."""
         if self.alive():
@@ -286,8 +309,9 @@ class MooncakeCluster:
         self._require_master().kill()
 
     def freeze_master(self) -> None:
-        """SIGSTOP the master: it keeps its sockets but answers nothing."""
-        self._require_master().signal(signal.SIGSTOP)
+        """SIGSTOP the master and wait until all its threads are stopped: it keeps its sockets but
+        answers nothing."""
+        self._require_master().freeze()
 
     def thaw_master(self) -> None:
         """SIGCONT the master."""
@@ -310,8 +334,8 @@ class MooncakeCluster:
 
     def freeze_holder(self, index: int) -> None:
         """SIGSTOP holder ``index`` (thaw it within the master's client TTL, 10 s by default,
-        or the master unmounts its segment)."""
-        self._require_holder(index).signal(signal.SIGSTOP)
+        or the master unmounts its segment); returns once all its threads are stopped."""
+        self._require_holder(index).freeze()
 
     def thaw_holder(self, index: int) -> None:
         """SIGCONT holder ``index``."""
