@@ -11,8 +11,10 @@ data-less ones by :func:`hiradix.testing.sim_ports.simulated_controller`: the sa
 
 Per scheduler step (:meth:`step`, from SGLang's per-step cache-event hook) it reaps finished
 copies and I/O results, applies those every TP rank agrees on
-(:class:`~hiradix.core.ports.RankAgreement`), stores DRAM-only nodes to NVMe, and persists the
-ancestors of what landed there. It owns the NVMe tier's on/off switch: the tier goes off, with
+(:class:`~hiradix.core.ports.RankAgreement`), opens the write-through backups DRAM had no room
+for at insert (:class:`~hiradix.core.deferred_backups.DeferredBackups`), stores nodes whose last
+local copy is in DRAM to NVMe (also those the cluster store holds: a store copy is only a hint),
+and persists the ancestors of what landed there. It owns the NVMe tier's on/off switch: the tier goes off, with
 one warning, after repeated I/O-worker deaths or ``MAX_NVME_FAILURES_IN_ROW`` failed NVMe writes
 or reads in a row (:meth:`switch_off_nvme`); the cache then goes on with HBM and DRAM.
 
@@ -33,6 +35,7 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
+from hiradix.core.deferred_backups import DeferredBackups
 from hiradix.core.ledger import Kind, TierBooks, Transfer
 from hiradix.core.node import Tier, TreeMatch, TreeNode
 from hiradix.core.placement import DRAM_FREE_LOW, Placement
@@ -156,6 +159,7 @@ class TierController:
         # a TP rank that uses another rank's copy, ``hiradix.runtime.shared_host_copy``).
         self.reserved_bytes: tuple[int, int] = (0, 0)
         self.stats = TierStats()
+        self.deferred_backups = DeferredBackups()  # write-through backups DRAM had no room for yet
         self.reads_ahead = returns.ReadAhead(books.dram.capacity, self.stats.read_ahead_tokens)  # predicted returns
         self._prefetch_deadline_s: dict[int, Optional[float]] = {}  # PREFETCH op -> give-up time; None: not yet waited on
         self._expired: set[int] = set()  # PREFETCH op ids whose deadline passed (agreed)
@@ -190,10 +194,16 @@ class TierController:
         nodes = [n for n in new_nodes if n.alive and not n.in_tier(Tier.DRAM) and n.in_tier(Tier.HBM)]
         if self.write_selective:
             nodes = [n for n in nodes if n.hit_count >= SELECTIVE_MIN_HITS]
-        if nodes:
-            op = self.placement.prepare(Kind.BACKUP, nodes)
-            if op is not None:
-                self.mover.backup(op)
+        if nodes and not self._open_backup(nodes):
+            self.deferred_backups.defer(nodes)  # DRAM full of copies on their way to NVMe: later
+
+    def _open_backup(self, nodes: list[TreeNode]) -> bool:
+        """Open and start a write-through backup of ``nodes``; False if DRAM has no room now."""
+        op = self.placement.prepare(Kind.BACKUP, nodes)
+        if op is None:
+            return False
+        self.mover.backup(op)
+        return True
 
     def after_hit(self, nodes: list[TreeNode]) -> None:
         """Selective write-through only: back up the HBM-only nodes a request just hit again."""
@@ -468,6 +478,7 @@ class TierController:
                 self._apply_lookup(op_id, finished[op_id])
             else:
                 self._apply(op_id, finished[op_id])
+        self.deferred_backups.retry(self._open_backup)  # the room the landed demotions made
         if self.client is not None:
             if not alive and self.client.disabled:
                 self.switch_off_nvme("the I/O worker keeps dying")
@@ -501,8 +512,8 @@ class TierController:
             self.stats.transfers_failed[op.kind.name] += 1
         if op.kind in self._nvme_failures_in_row and outcome != ABORTED:
             self._note_nvme_outcome(op.kind, ok_pages == pages)
-        if op.kind == Kind.DEMOTE:
-            self.placement.after_demote(op)
+        if op.kind == Kind.DEMOTE:  # a DRAM copy a PUT waits for stays (its source)
+            self.placement.after_demote(op, keep=self.store.wants_put if self.store is not None else None)
         elif op.kind == Kind.PROMOTE and self.dram_staging:
             self.placement.after_promote(op)
         elif op.kind == Kind.PREFETCH:
@@ -574,7 +585,8 @@ class TierController:
         return (
             f"tokens per tier HBM/DRAM/NVMe={self.tree.tier_tokens[:3]} DRAM pages={b.dram.num_used}/{b.dram.capacity} "
             f"NVMe slots={nvme} store={store} store tokens={self.tree.tier_tokens[Tier.STORE]} in-flight={inflight} "
-            f"dropped tokens={b.dropped_tokens[:3]} failed={self.stats.transfers_failed}"
+            f"dropped tokens={b.dropped_tokens[:3]} failed={self.stats.transfers_failed} "
+            f"deferred backups={self.deferred_backups.deferred_nodes} (opened later {self.deferred_backups.opened_nodes})"
         )
 
     def _apply_results_now(self, results: list) -> None:
@@ -593,7 +605,8 @@ class TierController:
         self.client.submit_store(op.op_id, op.src_ids, op.dst_ids)
 
     def _store_last_copies(self) -> None:
-        """Store every DRAM-only node to NVMe (placement order, bounded in flight).
+        """Store every node whose last local copy is in DRAM to NVMe (placement order, bounded in
+        flight; the cluster store may hold it too).
 
         Eager write-back to NVMe keeps DRAM's copies redundant, so the room a backup or a
         prefetch needs can always be made without losing a last copy; whether the DRAM copy
@@ -665,6 +678,7 @@ class TierController:
         self.reads_ahead.reset()
         self._unread_ops.clear()
         self._unread.clear()
+        self.deferred_backups.clear()
         if self.journal is not None:
             self.journal.landed.clear()  # nodes of the old tree (their paths end at the old root)
 

@@ -116,10 +116,13 @@ class Placement:
                 return None
         return self.books.prepare(kind, nodes, hbm_slots=hbm_slots, ahead=ahead)
 
-    def after_demote(self, op: Transfer) -> None:
-        """A store to NVMe landed: drop the DRAM copies it made redundant while DRAM is short."""
+    def after_demote(self, op: Transfer, keep: Optional[Callable[[TreeNode], bool]] = None) -> None:
+        """A store to NVMe landed: drop the DRAM copies it made redundant while DRAM is short,
+        except those ``keep`` names (a cluster-store PUT waits to read them)."""
         books = self.books
         for node in op.nodes:
+            if keep is not None and keep(node):
+                continue
             if (node.alive and node.in_tier(Tier.NVME) and node.in_tier(Tier.DRAM)
                     and node.pinned[Tier.DRAM] == 0 and books.dram.num_free < self.dram_free_low_pages):
                 books.drop_copy(node, Tier.DRAM)
@@ -131,7 +134,7 @@ class Placement:
                 self.books.drop_copy(node, Tier.DRAM)
 
     def demotion_order(self, limit: Optional[int] = None) -> list[TreeNode]:
-        """DRAM-only nodes not in a transfer, in policy order: the next (at most ``limit``) to store to NVMe."""
+        """Nodes whose last local copy is in DRAM (:meth:`TreeNode.sole_tier`), not in a transfer, in policy order: the next (at most ``limit``) to store to NVMe."""
         todo = [n for n in self.tree.sole_copies(Tier.DRAM) if n.pinned[Tier.DRAM] == 0]
         key = self.tree.policy.priority
         if limit is not None and limit < len(todo):

@@ -8,6 +8,10 @@ may drop an object at any time, so a store copy is confirmed only by a GET that 
 * Shares (PUT, DRAM -> store): ``write_through`` puts a node once its KV is in DRAM (a backup or
   an NVMe read landed), so another server can hit while the first still holds it in HBM;
   ``write_back`` puts it once it has left HBM (DRAM holds the last fast copy). Bounded in flight.
+  A write-through backup that found DRAM full is opened once room is made
+  (:mod:`hiradix.core.deferred_backups`), and a DRAM copy queued for a PUT stays when its
+  demotion to NVMe lands (:meth:`wants_put`), so every page is shared, not only those DRAM had
+  room for at insert.
 * Lookups: when the local match of a prompt ends, the pages that follow are asked for by key
   (one batched ``exists`` in the I/O worker); the leading run found becomes a store-only child of
   the last matched node and is fetched into DRAM (GET) before admission. A lookup started at
@@ -135,6 +139,10 @@ class StoreTier:
         """Nodes whose HBM copy was just dropped (write-back shares those still in DRAM)."""
         if self.write_back:
             self._queue(nodes)
+
+    def wants_put(self, node: TreeNode) -> bool:
+        """Whether ``node`` is queued for a PUT not yet started (its DRAM copy is the source)."""
+        return node.id in self._to_put
 
     def _queue(self, nodes: Sequence[TreeNode]) -> None:
         if self.enabled:

@@ -78,7 +78,7 @@ class TieredRadixTree:
         self.hbm_protected_tokens = 0  # locked tokens the tree holds in HBM
         self.tier_tokens = [0] * NUM_TIERS  # tokens held per tier
         self._candidates: list[set[TreeNode]] = [set() for _ in Tier]  # eviction candidates per tier
-        self._sole: list[set[TreeNode]] = [set() for _ in Tier]  # nodes held by that tier only
+        self._sole: list[set[TreeNode]] = [set() for _ in Tier]  # nodes whose last copy that tier holds (TreeNode.sole_tier)
         if self.page_index is not None:
             self.page_index = PageContentIndex(self.page_size)
 
@@ -99,7 +99,8 @@ class TieredRadixTree:
         return self._candidates[tier]
 
     def sole_copies(self, tier: Tier) -> set[TreeNode]:
-        """Nodes whose KV only ``tier`` holds (read-only view)."""
+        """Nodes whose last copy ``tier`` holds (:meth:`TreeNode.sole_tier`: a DRAM copy the store
+        also holds counts; read-only view)."""
         return self._sole[tier]
 
     # ------------------------------------------------------------------ match
@@ -486,13 +487,13 @@ class TieredRadixTree:
         """Recompute in which tiers ``node`` is an eviction candidate."""
         if node is None or node is self.root or not node.alive:
             return
-        tiers = node.tiers()
+        sole = node.sole_tier()
         for tier in Tier:
             if self._is_candidate(node, tier):
                 self._candidates[tier].add(node)
             else:
                 self._candidates[tier].discard(node)
-            if tiers == [tier]:
+            if tier == sole:
                 self._sole[tier].add(node)
             else:
                 self._sole[tier].discard(node)

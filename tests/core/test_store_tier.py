@@ -11,6 +11,7 @@ import logging
 
 import pytest
 
+from hiradix.core import store_tier
 from hiradix.core.node import Tier
 from hiradix.core.policy import make_policy
 from hiradix.core.prefix_cache import TieredPrefixCache
@@ -27,12 +28,13 @@ class Server:
     """One simulated server: the server's prefix cache over data-less ports."""
 
     def __init__(self, store: SimStore, clock: SimClock, key_prefix: str = "fp1/", write_policy: str = "write_through",
-                 dram_pages: int = 64, nvme_slots: int = 0, query_s: float = 0.0):
+                 dram_pages: int = 64, nvme_slots: int = 0, query_s: float = 0.0, nvme_write_s: float = 0.0):
         self.clock = clock
         self.tree = TieredRadixTree(PS, make_policy("lookahead"), clock=clock)
         self.tiers = simulated_controller(self.tree, dram_pages, nvme_slots, page_bytes=64, write_through=True,
                                           clock=clock, store=store, store_key_prefix=key_prefix,
-                                          store_write_policy=write_policy, store_query_s=query_s)
+                                          store_write_policy=write_policy, store_query_s=query_s,
+                                          write_s_per_page=nvme_write_s)
         self.device = SimDevicePool(256, PS)
         self.cache = TieredPrefixCache(self.tree, self.device, self.tiers, load_timeout_s=TIMEOUT_S)
         self.held = 0  # device slots owned by requests (none between calls)
@@ -178,6 +180,51 @@ def test_write_back_puts_only_what_left_hbm():
     a.cache.evict(6)
     settle(a)
     assert len(store) == 3 and a.tree.tier_tokens[Tier.STORE] == 6
+
+
+def test_a_write_through_backup_dram_had_no_room_for_is_shared_once_demotions_land():
+    """DRAM full of last copies on their way to NVMe: the new node's backup (and so its PUT)
+    waits until they landed, instead of leaving it HBM-only and unshared while HBM holds it."""
+    clock, store = SimClock(), SimStore()
+    a = Server(store, clock, dram_pages=3, nvme_slots=64, nvme_write_s=1.0)
+    first, second = keys(1), keys(2)
+    a.serve(first)
+    settle(a)
+    assert len(store) == 3
+    a.cache.evict(6)  # first: DRAM's last copy now, its demotion to NVMe takes 3 s
+    a.step()
+    assert a.tree.tier_tokens[Tier.NVME] == 0 and a.tiers.books.dram.num_free == 0
+    a.serve(second)  # write-through finds DRAM full of last copies: deferred
+    node = a.tree.match(second, split=False).nodes[-1]
+    assert node.tiers() == [Tier.HBM] and len(a.tiers.deferred_backups) == 1
+    settle(a)
+    assert node.tiers() == [Tier.HBM] and len(store) == 3  # still no room: nothing dropped, nothing lost
+    clock.advance_to(clock() + 3.5)  # the demotion landed: its DRAM copy goes (DRAM is short)
+    settle(a)
+    assert node.tiers() == [Tier.HBM, Tier.DRAM, Tier.STORE] and len(store) == 6
+    assert len(a.tiers.deferred_backups) == 0 and a.tiers.deferred_backups.opened_nodes == 1
+    assert a.tree.tier_tokens[Tier.NVME] == 6
+
+
+def test_a_dram_copy_queued_for_a_put_stays_when_its_demotion_lands(monkeypatch):
+    """A node queued for a PUT keeps its DRAM copy (the PUT's source) when its demotion to NVMe
+    lands while DRAM is short, so it is still shared once the PUT starts."""
+    clock, store = SimClock(), SimStore()
+    a = Server(store, clock, dram_pages=4, nvme_slots=64)
+    monkeypatch.setattr(store_tier, "MAX_PUTS_IN_FLIGHT", 0)  # PUTs stay queued for now
+    prompt = keys(3, pages=4)
+    a.serve(prompt)
+    a.step()  # backup landed: PUT queued
+    node = a.tree.match(prompt, split=False).nodes[-1]
+    assert a.tiers.store.wants_put(node) and node.tiers() == [Tier.HBM, Tier.DRAM]
+    a.cache.evict(8)  # DRAM's last copy now: stored to NVMe
+    settle(a)
+    books = a.tiers.books
+    assert node.tiers() == [Tier.DRAM, Tier.NVME]  # the demotion landed ...
+    assert books.dram.num_free < a.tiers.placement.dram_free_low_pages  # ... while DRAM is short
+    monkeypatch.setattr(store_tier, "MAX_PUTS_IN_FLIGHT", 32)
+    settle(a)
+    assert len(store) == 4 and node.in_tier(Tier.STORE)
 
 
 class FailingPuts:

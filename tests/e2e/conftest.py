@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hiradix.testing.mooncake import MooncakeCluster
+from hiradix.tiers.store.base import make_backend
 
 
 @pytest.fixture(scope="module")
@@ -13,3 +14,10 @@ def store(tmp_path_factory):
     with MooncakeCluster(num_holders=1, holder_segment_bytes=256 << 20,
                          log_dir=tmp_path_factory.mktemp("mooncake")) as cluster:  # fmt: skip
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def store_reader(store):
+    """A client of the module's store in the test process (checks which pages servers PUT)."""
+    with make_backend("mooncake", store.config()) as reader:
+        yield reader

@@ -32,7 +32,7 @@ from hiradix.testing.mooncake import MooncakeCluster
 from hiradix.testing.router import RouterProcess
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
 from tests.helpers.e2e import TURNS, WORDS, assert_same_outputs, chat, metric, user_turn
-from tests.helpers.store import requires_mooncake
+from tests.helpers.store import logged_key_prefix, requires_mooncake, wait_until_stored
 
 pytestmark = [pytest.mark.e2e, requires_mooncake]
 
@@ -96,7 +96,7 @@ def from_store(r: dict) -> int:
     return int(m.group(1)) if m else 0
 
 
-def run_routed(urls: list[str], sessions: int, turns: int) -> list[list[dict]]:
+def run_routed(urls: list[str], sessions: int, turns: int, reader, key_prefix: str) -> list[list[dict]]:
     """Turn t of session s goes to ``urls[(s + t) % len(urls)]``: every turn lands on the other
     server than the one that computed the history before it (round-robin per turn)."""
     histories = [[{"role": "system", "content": "You are a terse assistant."}] for _ in range(sessions)]
@@ -104,15 +104,23 @@ def run_routed(urls: list[str], sessions: int, turns: int) -> list[list[dict]]:
     for t in range(turns):
         for s in range(sessions):
             histories[s].append({"role": "user", "content": user_turn(s, t, WORDS)})
-            r = chat(urls[(s + t) % len(urls)], histories[s])
+            r = chat(urls[(s + t) % len(urls)], histories[s], return_token_ids=True)
             histories[s].append({"role": "assistant", "content": r["text"]})
             results[s].append(r)
+        wait_round_stored(reader, key_prefix, results)
     return results
 
 
-def test_turns_routed_to_the_other_server_hit_through_the_store(pair, stock_outputs):
+def wait_round_stored(reader, key_prefix: str, results: list[list[dict]]) -> None:
+    """Before the next turn moves: wait until the store lists every whole page of each session's
+    last prompt (PUTs are asynchronous; a user's think time would let them land)."""
+    for session in results:
+        wait_until_stored(reader, key_prefix, session[-1]["prompt_ids"], PAGE_TOKENS)
+
+
+def test_turns_routed_to_the_other_server_hit_through_the_store(pair, stock_outputs, store_reader):
     a, b = pair
-    got = run_routed([a.base_url, b.base_url], SESSIONS, TURNS)
+    got = run_routed([a.base_url, b.base_url], SESSIONS, TURNS, store_reader, logged_key_prefix(a.log_text()))
     assert_same_outputs(got, stock_outputs[:SESSIONS])
     reusable = cached = stored = first_reusable = first_cached = first_stored = 0
     for session in got:
@@ -141,17 +149,17 @@ def prompt(tag: str, words: int = 60) -> list[dict]:
     return [{"role": "user", "content": f"{tag}: " + " ".join(f"{tag}{i % 17}" for i in range(words))}]
 
 
-def wait_until_stored(store: MooncakeCluster, count: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while store.key_count() < count and time.monotonic() < deadline:
-        time.sleep(0.2)
+def wait_stored(reader, server: ServerProcess, r: dict, salt: str | None = None) -> None:
+    """Wait until the store lists every whole page of the prompt of ``r`` (asked with
+    ``return_token_ids``) as ``server`` keys it (PUTs are asynchronous)."""
+    namespace = None if salt is None else (None, salt)
+    wait_until_stored(reader, logged_key_prefix(server.log_text()), r["prompt_ids"], PAGE_TOKENS, namespace)
 
 
-def test_salted_requests_never_hit_each_others_pages(pair, store):
+def test_salted_requests_never_hit_each_others_pages(pair, store_reader):
     a, b = pair
-    before = store.key_count()
-    first = chat(a.base_url, prompt("salty"), cache_salt="tenant-1")
-    wait_until_stored(store, before + first["prompt_tokens"] // PAGE_TOKENS)
+    first = chat(a.base_url, prompt("salty"), cache_salt="tenant-1", return_token_ids=True)
+    wait_stored(store_reader, a, first, salt="tenant-1")
     other = chat(b.base_url, prompt("salty"), cache_salt="tenant-2")
     unsalted = chat(b.base_url, prompt("salty"))
     same = chat(b.base_url, prompt("salty"), cache_salt="tenant-1")
@@ -161,11 +169,10 @@ def test_salted_requests_never_hit_each_others_pages(pair, store):
     assert other["text"] == unsalted["text"] == same["text"] == first["text"]
 
 
-def test_another_page_size_on_the_same_store_gets_no_hits(servers, store):
+def test_another_page_size_on_the_same_store_gets_no_hits(servers, store_reader):
     a, _, c = servers
-    before = store.key_count()
-    first = chat(a.base_url, prompt("pagesize"))
-    wait_until_stored(store, before + first["prompt_tokens"] // PAGE_TOKENS)
+    first = chat(a.base_url, prompt("pagesize"), return_token_ids=True)
+    wait_stored(store_reader, a, first)
     again = chat(c.base_url, prompt("pagesize"))
     assert metric(c.base_url, "sglang:hiradix_store_pages_total", op="found") == 0
     assert again["cached"] == 0 and from_store(again) == 0 and again["text"] == first["text"]
@@ -190,7 +197,8 @@ def landed_on(router: RouterProcess, before: dict[str, float]) -> str:
     return grown[0]
 
 
-def run_through_router(router: RouterProcess, sessions: range, turns: int) -> tuple[list[list[dict]], list[list[str]]]:
+def run_through_router(router: RouterProcess, sessions: range, turns: int, reader,
+                       key_prefix: str) -> tuple[list[list[dict]], list[list[str]]]:
     """The e2e workload's ``sessions``, turn-major, one request at a time through the router's
     OpenAI endpoint; each result's worker from the router's per-worker counters."""
     histories = [[{"role": "system", "content": "You are a terse assistant."}] for _ in sessions]
@@ -200,15 +208,16 @@ def run_through_router(router: RouterProcess, sessions: range, turns: int) -> tu
         for i, s in enumerate(sessions):
             histories[i].append({"role": "user", "content": user_turn(s, t, WORDS)})
             before = router.requests_per_worker()
-            r = answered_in_time(chat(router.base_url, histories[i]))
+            r = answered_in_time(chat(router.base_url, histories[i], return_token_ids=True))
             workers[i].append(landed_on(router, before))
             histories[i].append({"role": "assistant", "content": r["text"]})
             results[i].append(r)
+        wait_round_stored(reader, key_prefix, results)
     return results, workers
 
 
-def test_chats_through_the_router_hit_the_store_when_a_turn_moves(router, pair, stock_outputs):
-    got, workers = run_through_router(router, ROUTED_SESSIONS, TURNS)
+def test_chats_through_the_router_hit_the_store_when_a_turn_moves(router, pair, stock_outputs, store_reader):
+    got, workers = run_through_router(router, ROUTED_SESSIONS, TURNS, store_reader, logged_key_prefix(pair[0].log_text()))
     assert_same_outputs(got, [stock_outputs[s] for s in ROUTED_SESSIONS])
     assert {w for row in workers for w in row} == {s.base_url for s in pair}  # round_robin used both
     moved = 0
@@ -228,10 +237,9 @@ def test_chats_through_the_router_hit_the_store_when_a_turn_moves(router, pair, 
     assert sum(counts.values()) >= len(ROUTED_SESSIONS) * TURNS
 
 
-def test_salted_requests_through_the_router_never_hit_each_others_pages(router, store):
-    before = store.key_count()
-    first = chat(router.base_url, prompt("routed-salt"), cache_salt="tenant-1")
-    wait_until_stored(store, before + first["prompt_tokens"] // PAGE_TOKENS)
+def test_salted_requests_through_the_router_never_hit_each_others_pages(router, pair, store_reader):
+    first = chat(router.base_url, prompt("routed-salt"), cache_salt="tenant-1", return_token_ids=True)
+    wait_stored(store_reader, pair[0], first, salt="tenant-1")  # A and B key pages alike
     # round_robin: the next three go B, A, B (A: where tenant-1's pages are in HBM)
     other = chat(router.base_url, prompt("routed-salt"), cache_salt="tenant-2")
     unsalted = chat(router.base_url, prompt("routed-salt"))
@@ -294,13 +302,12 @@ def test_a_killed_worker_is_routed_around_and_rejoins_with_the_store(router, pai
     assert stored >= 1  # round_robin sent some of them to B
 
 
-def test_store_faults_degrade_to_recompute_and_the_tier_comes_back(pair, store):
+def test_store_faults_degrade_to_recompute_and_the_tier_comes_back(pair, store, store_reader):
     a, b = pair
     # 1. The holder dies with A's pages in it: exists may still say "present", the GET misses,
     #    B recomputes the right tokens.
-    before = store.key_count()
-    held = answered_in_time(chat(a.base_url, prompt("holder")))
-    wait_until_stored(store, before + held["prompt_tokens"] // PAGE_TOKENS)
+    held = answered_in_time(chat(a.base_url, prompt("holder"), return_token_ids=True))
+    wait_stored(store_reader, a, held)
     store.kill_holder(0)
     lost = answered_in_time(chat(b.base_url, prompt("holder")))
     assert lost["text"] == held["text"] and from_store(lost) == 0

@@ -26,13 +26,12 @@ from pathlib import Path
 
 import pytest
 
-from hiradix.core.decode_offload import page_keys
 from hiradix.sglang_plugin.model_check import page_bytes_estimate
 from hiradix.testing.mooncake import MooncakeCluster
-from hiradix.tiers.store.base import make_backend
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, stop_all
 from tests.helpers.e2e import (assert_same_outputs, chat, settled, dram_pools_mapped, metric, mla_model, run_sessions, tier_hits,
                                 user_turn)
+from tests.helpers.store import logged_key_prefix, wait_until_stored
 
 pytestmark = pytest.mark.e2e
 
@@ -131,31 +130,22 @@ def from_store(r: dict) -> int:
     return int(m.group(1)) if m else 0
 
 
-def store_key_prefix_of(server: ServerProcess) -> str:
-    """The store key prefix (KV fingerprint) a server logs at start: ``(keys <prefix>*)``."""
-    logged = re.search(r"\(keys (\S+)\*\)", server.log_text())
-    assert logged, server.log_text()[-3000:]
-    return logged.group(1)
-
-
-def test_turns_moved_to_the_other_server_hit_through_the_store(mla_servers, store):
+def test_turns_moved_to_the_other_server_hit_through_the_store(mla_servers, store_reader):
     a, b, stock = mla_servers["hiradix-v2a"], mla_servers["hiradix-v2b"], mla_servers["stock-v2"]
-    key_prefix = store_key_prefix_of(a)
-    assert store_key_prefix_of(b) == key_prefix  # same model, layout and rank: one key space
+    key_prefix = logged_key_prefix(a.log_text())
+    assert logged_key_prefix(b.log_text()) == key_prefix  # same model, layout and rank: one key space
     histories = [[SYSTEM] for _ in range(ROUTED_SESSIONS)]
     got: list[list[dict]] = [[] for _ in range(ROUTED_SESSIONS)]
-    with make_backend("mooncake", store.config()) as reader:
-        for t in range(TURNS):
-            for s in range(ROUTED_SESSIONS):
-                histories[s].append({"role": "user", "content": user_turn(100 + s, t, WORDS)})
-                got[s].append(chat((a, b)[(s + t) % 2].base_url, histories[s], return_token_ids=True))
-                histories[s].append({"role": "assistant", "content": got[s][-1]["text"]})
-            # PUTs are asynchronous (write-through once a page is in DRAM): the next turn moves to
-            # the other server once the store holds every whole page of this round's prompts, as a
-            # user's think time would let it.
-            keys = [k for session in got for k in page_keys(key_prefix, session[-1]["prompt_ids"], None, PAGE_TOKENS, 0)]
-            present = settled(lambda: reader.exists(keys), all, timeout_s=60.0)
-            assert all(present), f"turn {t}: {present.count(False)} of {len(keys)} prompt pages never reached the store"
+    for t in range(TURNS):
+        for s in range(ROUTED_SESSIONS):
+            histories[s].append({"role": "user", "content": user_turn(100 + s, t, WORDS)})
+            got[s].append(chat((a, b)[(s + t) % 2].base_url, histories[s], return_token_ids=True))
+            histories[s].append({"role": "assistant", "content": got[s][-1]["text"]})
+        # PUTs are asynchronous (write-through once a page is in DRAM): the next turn moves to the
+        # other server once the store lists every whole page of this round's prompts, as a user's
+        # think time would let it.
+        for session in got:
+            wait_until_stored(store_reader, key_prefix, session[-1]["prompt_ids"], PAGE_TOKENS)
     expected = run_sessions(stock.base_url, ROUTED_SESSIONS, TURNS, WORDS, first_session=100)
     assert_same_outputs(got, expected)
     first_cross = [session[1] for session in got]  # the other server never saw these sessions

@@ -6,12 +6,14 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import time
-from typing import Callable
+from typing import Callable, Optional, Sequence
 
 import pytest
 import torch
 
+from hiradix.core.decode_offload import page_keys
 from hiradix.dataplane.layout import KVLayout
 from hiradix.tiers.dram import DramPool
 from hiradix.tiers.store.base import StoreConfig
@@ -78,3 +80,27 @@ def second_client(config_json: str, get_keys: list[str], put_keys: list[str], se
     finally:
         backend.close()
         conn.close()
+
+
+def logged_key_prefix(log_text: str) -> str:
+    """The store key prefix (the KV fingerprint) a hiradix server logs at start: ``(keys <prefix>*)``."""
+    logged = re.search(r"\(keys (\S+)\*\)", log_text)
+    assert logged, log_text[-3000:]
+    return logged.group(1)
+
+
+def wait_until_stored(reader, key_prefix: str, token_ids: Sequence[int], page_size: int,
+                      namespace: Optional[tuple] = None, timeout_s: float = 60.0) -> None:
+    """Wait until the store lists every whole page of ``token_ids`` (PUTs are asynchronous);
+    ``reader`` is a store client (``make_backend``), ``namespace`` ``(extra_key, cache_salt)``.
+
+    Raises:
+        AssertionError: a page was still missing after ``timeout_s``.
+    """
+    keys = page_keys(key_prefix, token_ids, namespace, page_size, 0)
+    deadline = time.monotonic() + timeout_s
+    present = reader.exists(keys)
+    while not all(present) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        present = reader.exists(keys)
+    assert all(present), f"{present.count(False)} of {len(keys)} pages never reached the store"
