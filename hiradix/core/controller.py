@@ -14,9 +14,10 @@ copies and I/O results, applies those every TP rank agrees on
 (:class:`~hiradix.core.ports.RankAgreement`), opens the write-through backups DRAM had no room
 for at insert (:class:`~hiradix.core.deferred_backups.DeferredBackups`), stores nodes whose last
 local copy is in DRAM to NVMe (also those the cluster store holds: a store copy is only a hint),
-and persists the ancestors of what landed there. It owns the NVMe tier's on/off switch: the tier goes off, with
-one warning, after repeated I/O-worker deaths or ``MAX_NVME_FAILURES_IN_ROW`` failed NVMe writes
-or reads in a row (:meth:`switch_off_nvme`); the cache then goes on with HBM and DRAM.
+and persists the ancestors of what landed there. It owns the NVMe tier's on/off switch: the
+tier goes off, with one warning, after repeated I/O-worker deaths or ``MAX_NVME_FAILURES_IN_ROW``
+failed NVMe writes or reads in a row (:meth:`switch_off_nvme`); the cache then goes on with HBM
+and DRAM.
 
 Reads into DRAM come in three priorities (``hiradix.core.ports.READ_*``, the I/O worker's order):
 for a request at admission, which waits for them up to its timeout (also when its read could
