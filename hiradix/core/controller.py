@@ -12,8 +12,9 @@ data-less ones by :func:`hiradix.testing.sim_ports.simulated_controller`: the sa
 Per scheduler step (:meth:`step`, from SGLang's per-step cache-event hook) it reaps finished
 copies and I/O results, applies those every TP rank agrees on
 (:class:`~hiradix.core.ports.RankAgreement`), opens the write-through backups DRAM had no room
-for at insert (:class:`~hiradix.core.deferred_backups.DeferredBackups`), stores DRAM-only nodes
-to NVMe, and persists the ancestors of what landed there. It owns the NVMe tier's on/off switch: the
+for at insert (:class:`~hiradix.core.deferred_backups.DeferredBackups`), stores nodes whose last
+local copy is in DRAM to NVMe (also those the cluster store holds: a store copy is only a hint),
+and persists the ancestors of what landed there. It owns the NVMe tier's on/off switch: the
 tier goes off, with one warning, after repeated I/O-worker deaths or ``MAX_NVME_FAILURES_IN_ROW``
 failed NVMe writes or reads in a row (:meth:`switch_off_nvme`); the cache then goes on with HBM
 and DRAM.
@@ -605,7 +606,8 @@ class TierController:
         self.client.submit_store(op.op_id, op.src_ids, op.dst_ids)
 
     def _store_last_copies(self) -> None:
-        """Store every DRAM-only node to NVMe (placement order, bounded in flight).
+        """Store every node whose last local copy is in DRAM to NVMe (placement order, bounded in
+        flight; the cluster store may hold it too).
 
         Eager write-back to NVMe keeps DRAM's copies redundant, so the room a backup or a
         prefetch needs can always be made without losing a last copy; whether the DRAM copy

@@ -121,6 +121,14 @@ class TreeNode:
         only a hint (the store may have dropped it), so it never makes a local copy redundant."""
         return (self.hbm_slots is not None) + (self.dram_pages is not None) + (self.nvme_slots is not None)
 
+    def sole_tier(self) -> Optional[Tier]:
+        """The tier holding this node's last copy: its one local tier (the store may hold it too:
+        a store copy is only a hint), STORE when only the store holds it, else None."""
+        local = [t for t in self.tiers() if t != Tier.STORE]
+        if len(local) == 1:
+            return local[0]
+        return Tier.STORE if not local and self.store_keys is not None else None
+
     @property
     def dram_from_nvme(self) -> bool:
         """The DRAM copy was read from NVMe (and not promoted to HBM since)."""

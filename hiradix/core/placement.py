@@ -134,7 +134,8 @@ class Placement:
                 self.books.drop_copy(node, Tier.DRAM)
 
     def demotion_order(self, limit: Optional[int] = None) -> list[TreeNode]:
-        """DRAM-only nodes not in a transfer, in policy order: the next (at most ``limit``) to store to NVMe."""
+        """Nodes whose last local copy is in DRAM (:meth:`TreeNode.sole_tier`), not in a transfer,
+        in policy order: the next (at most ``limit``) to store to NVMe."""
         todo = [n for n in self.tree.sole_copies(Tier.DRAM) if n.pinned[Tier.DRAM] == 0]
         key = self.tree.policy.priority
         if limit is not None and limit < len(todo):

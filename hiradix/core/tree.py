@@ -78,7 +78,7 @@ class TieredRadixTree:
         self.hbm_protected_tokens = 0  # locked tokens the tree holds in HBM
         self.tier_tokens = [0] * NUM_TIERS  # tokens held per tier
         self._candidates: list[set[TreeNode]] = [set() for _ in Tier]  # eviction candidates per tier
-        self._sole: list[set[TreeNode]] = [set() for _ in Tier]  # nodes held by that tier only
+        self._sole: list[set[TreeNode]] = [set() for _ in Tier]  # nodes whose last copy that tier holds (TreeNode.sole_tier)
         if self.page_index is not None:
             self.page_index = PageContentIndex(self.page_size)
 
@@ -99,7 +99,8 @@ class TieredRadixTree:
         return self._candidates[tier]
 
     def sole_copies(self, tier: Tier) -> set[TreeNode]:
-        """Nodes whose KV only ``tier`` holds (read-only view)."""
+        """Nodes whose last copy ``tier`` holds (:meth:`TreeNode.sole_tier`: a DRAM copy the store
+        also holds counts; read-only view)."""
         return self._sole[tier]
 
     # ------------------------------------------------------------------ match
@@ -441,11 +442,11 @@ class TieredRadixTree:
     def plan_evict(self, tier: Tier, num_pages: int, allow_sole: bool) -> list[TreeNode]:
         """Choose copies of ``tier`` (DRAM or NVMe) to drop so ``num_pages`` pages come free.
 
-        Read-only: nothing changes. Policy order within two passes: copies another tier also
-        holds first (another local tier, or the cluster store: the node stays reachable through
-        it, and a DRAM full of pages the store holds must not block backups while NVMe has room);
-        then, if ``allow_sole``, last copies, each node after its children in this tier
-        (dropping a last copy deletes the node, which may make its parent a leaf).
+        Read-only: nothing changes. Policy order within two passes: copies another local tier
+        also holds first; then, if ``allow_sole``, last local copies (a store copy is only a
+        hint), each node after its children in this tier (dropping a last copy deletes the
+        node, which may make its parent a leaf; a child the store still holds stays, so its
+        parent's last copy does not go).
 
         Returns:
             The nodes, in the order to drop them (children before parents): just enough for
@@ -455,7 +456,7 @@ class TieredRadixTree:
         cands = self._candidates[tier]
         chosen: list[TreeNode] = []
         freed = 0
-        for node in sorted((n for n in cands if n.num_tiers > 1), key=lambda n: (key(n, tier), n.id)):
+        for node in sorted((n for n in cands if n.num_local_tiers > 1), key=lambda n: (key(n, tier), n.id)):
             if freed >= num_pages:
                 return chosen
             chosen.append(node)
@@ -463,12 +464,13 @@ class TieredRadixTree:
         if freed >= num_pages or not allow_sole:
             return chosen
         gone: set[TreeNode] = set()  # nodes the plan deletes (no copy left, not even in the store)
-        heap = [(key(n, tier), n.id, n) for n in cands if n.num_tiers == 1]
+        heap = [(key(n, tier), n.id, n) for n in cands if n.num_local_tiers == 1]
         heapq.heapify(heap)
         while heap and freed < num_pages:
             _, _, node = heapq.heappop(heap)
             chosen.append(node)
-            gone.add(node)
+            if node.num_tiers == 1:  # a store record keeps the node (and its parent's child) alive
+                gone.add(node)
             freed += node.num_tokens // ps
             parent = node.parent
             if (parent is not self.root and parent.tiers() == [tier] and parent.pinned[tier] == 0
@@ -485,13 +487,13 @@ class TieredRadixTree:
         """Recompute in which tiers ``node`` is an eviction candidate."""
         if node is None or node is self.root or not node.alive:
             return
-        tiers = node.tiers()
+        sole = node.sole_tier()
         for tier in Tier:
             if self._is_candidate(node, tier):
                 self._candidates[tier].add(node)
             else:
                 self._candidates[tier].discard(node)
-            if tiers == [tier]:
+            if tier == sole:
                 self._sole[tier].add(node)
             else:
                 self._sole[tier].discard(node)

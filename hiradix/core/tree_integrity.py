@@ -27,8 +27,8 @@ def check_tree(tree: TieredRadixTree) -> None:
     for node in tree.iter_nodes():
         _check_node(tree, node, seen_slots)
         tiers = node.tiers()
-        if len(tiers) == 1:
-            sole[tiers[0]].add(node)
+        if node.sole_tier() is not None:
+            sole[node.sole_tier()].add(node)
         for tier in tiers:
             tier_tokens[tier] += node.num_tokens
             if tree.is_candidate(node, tier):

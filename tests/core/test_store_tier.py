@@ -27,7 +27,7 @@ TIMEOUT_S = 2.0
 class Server:
     """One simulated server: the server's prefix cache over data-less ports."""
 
-    def __init__(self, store: SimStore | None, clock: SimClock, key_prefix: str = "fp1/", write_policy: str = "write_through",
+    def __init__(self, store: SimStore, clock: SimClock, key_prefix: str = "fp1/", write_policy: str = "write_through",
                  dram_pages: int = 64, nvme_slots: int = 0, query_s: float = 0.0, nvme_write_s: float = 0.0):
         self.clock = clock
         self.tree = TieredRadixTree(PS, make_policy("lookahead"), clock=clock)
@@ -182,14 +182,15 @@ def test_write_back_puts_only_what_left_hbm():
     assert len(store) == 3 and a.tree.tier_tokens[Tier.STORE] == 6
 
 
-def test_a_write_through_backup_dram_had_no_room_for_is_opened_once_demotions_land():
-    """DRAM full of last copies on their way to NVMe: the new node's backup waits until they
-    landed, instead of leaving the node HBM-only (and, with a store, unshared) while HBM holds it."""
-    clock = SimClock()
-    a = Server(None, clock, dram_pages=3, nvme_slots=64, nvme_write_s=1.0)  # no store: write-through alone
+def test_a_write_through_backup_dram_had_no_room_for_is_shared_once_demotions_land():
+    """DRAM full of last copies on their way to NVMe: the new node's backup (and so its PUT)
+    waits until they landed, instead of leaving it HBM-only and unshared while HBM holds it."""
+    clock, store = SimClock(), SimStore()
+    a = Server(store, clock, dram_pages=3, nvme_slots=64, nvme_write_s=1.0)
     first, second = keys(1), keys(2)
     a.serve(first)
     settle(a)
+    assert len(store) == 3
     a.cache.evict(6)  # first: DRAM's last copy now, its demotion to NVMe takes 3 s
     a.step()
     assert a.tree.tier_tokens[Tier.NVME] == 0 and a.tiers.books.dram.num_free == 0
@@ -197,30 +198,12 @@ def test_a_write_through_backup_dram_had_no_room_for_is_opened_once_demotions_la
     node = a.tree.match(second, split=False).nodes[-1]
     assert node.tiers() == [Tier.HBM] and len(a.tiers.deferred_backups) == 1
     settle(a)
-    assert node.tiers() == [Tier.HBM]  # still no room: nothing dropped, nothing lost
-    clock.advance_to(clock() + 3.5)  # the demotion landed: first's DRAM copy is redundant now
+    assert node.tiers() == [Tier.HBM] and len(store) == 3  # still no room: nothing dropped, nothing lost
+    clock.advance_to(clock() + 3.5)  # the demotion landed: its DRAM copy goes (DRAM is short)
     settle(a)
-    assert node.tiers() == [Tier.HBM, Tier.DRAM] and a.tree.tier_tokens[Tier.NVME] == 6
-    assert len(a.tiers.deferred_backups) == 0 and a.tiers.deferred_backups.opened_nodes == 1
-
-
-def test_dram_pages_the_store_holds_make_room_for_backups_while_nvme_has_room():
-    """A DRAM full of pages the store also holds gives way to new backups (policy order) instead
-    of blocking them until NVMe is full: the dropped pages stay reachable through the store."""
-    clock, store = SimClock(), SimStore()
-    a = Server(store, clock, dram_pages=3, nvme_slots=64)
-    first, second = keys(1), keys(2)
-    a.serve(first)
-    settle(a)
-    a.cache.evict(6)  # first: DRAM + store
-    settle(a)
-    old = a.tree.match(first, split=False, touch=False).nodes[-1]
-    assert old.tiers() == [Tier.DRAM, Tier.STORE] and a.tiers.books.dram.num_free == 0
-    a.serve(second)
-    settle(a)
-    node = a.tree.match(second, split=False, touch=False).nodes[-1]
     assert node.tiers() == [Tier.HBM, Tier.DRAM, Tier.STORE] and len(store) == 6
-    assert old.tiers() == [Tier.STORE] and len(a.tiers.deferred_backups) == 0
+    assert len(a.tiers.deferred_backups) == 0 and a.tiers.deferred_backups.opened_nodes == 1
+    assert a.tree.tier_tokens[Tier.NVME] == 6
 
 
 def test_a_dram_copy_queued_for_a_put_stays_when_its_demotion_lands(monkeypatch):

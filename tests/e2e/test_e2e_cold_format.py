@@ -24,7 +24,7 @@ import pytest
 
 from hiradix.testing.mooncake import MooncakeCluster
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, stop_all
-from tests.helpers.e2e import generate_with_logprobs, metric, run_sessions, tier_hits
+from tests.helpers.e2e import flush_tiers, generate_with_logprobs, metric, run_sessions, tier_hits
 
 pytestmark = pytest.mark.e2e
 
@@ -111,7 +111,10 @@ def test_a_history_promoted_from_fp8_dram_stays_close_to_stock_and_dram_holds_mo
     logprobs stay within 0.5 nats of stock's. The same 0.004 GB hold ~4x the pages of the exact
     float32 DRAM of the `fp8` server."""
     dram = servers["fp8dram"]
-    # 2,000 more tokens push it out of HBM, not out of DRAM (~490 fp8 pages)
+    # The churn test left DRAM short (under a quarter free): a page demoted to NVMe would then leave
+    # DRAM at once (Placement.after_demote). From empty tiers, 2,000 more tokens push the prompt
+    # out of HBM, not out of DRAM (~490 fp8 pages).
+    flush_tiers(dram.base_url)
     got = read_back_close_to_stock(dram, servers["stock"], seed=7, pushes=4)
     assert got["details"].get("host", 0) >= 512, got  # promoted from the encoded DRAM tier
     assert metric(dram.base_url, "sglang:hiradix_moved_tokens_total", kind="PROMOTE") >= 512

@@ -198,3 +198,14 @@ def settled(read, done, timeout_s: float = 15.0, poll_s: float = 0.5):
         time.sleep(poll_s)
         value = read()
     return value
+
+
+def flush_tiers(base_url: str, timeout_s: float = 60.0) -> None:
+    """POST /flush_cache (SGLang's; no request may be running) and wait until the HBM, DRAM and
+    NVMe gauges of hiradix read 0 (the idle scheduler steps about once a second)."""
+    with urllib.request.urlopen(urllib.request.Request(base_url + "/flush_cache", method="POST"), timeout=60) as resp:
+        assert resp.status == 200
+    deadline = time.monotonic() + timeout_s
+    while any(metric(base_url, "sglang:hiradix_tier_used_tokens", tier=t) for t in ("HBM", "DRAM", "NVMe")):
+        assert time.monotonic() < deadline, "tiers not empty after /flush_cache"
+        time.sleep(0.5)
