@@ -19,7 +19,6 @@ import re
 import signal
 import stat
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil
@@ -27,7 +26,7 @@ import pytest
 
 from hiradix.persistence.index import Put, _read_records, _replay
 
-from tests.helpers.e2e import chat, metric, run_sessions, shm_dirs_of, start, user_turn
+from tests.helpers.e2e import chat, flush_tiers, metric, run_sessions, shm_dirs_of, start, user_turn
 
 pytestmark = pytest.mark.e2e
 
@@ -66,12 +65,7 @@ def settle(base_url: str, timeout_s: float = 120.0) -> None:
 
 def flush_and_repeat(base_url: str, prompt: list[dict]) -> dict:
     """POST /flush_cache; wait (no requests) until every tier gauge reads 0; send ``prompt`` again."""
-    with urllib.request.urlopen(urllib.request.Request(base_url + "/flush_cache", method="POST"), timeout=60) as resp:
-        assert resp.status == 200
-    deadline = time.monotonic() + 60
-    while any(metric(base_url, "sglang:hiradix_tier_used_tokens", tier=t) for t in ("HBM", "DRAM", "NVMe")):
-        assert time.monotonic() < deadline, "tiers not empty after /flush_cache"
-        time.sleep(0.5)  # the idle scheduler steps about once a second
+    flush_tiers(base_url)
     return chat(base_url, prompt)
 
 
