@@ -17,6 +17,7 @@ from hiradix.testing.server import (
     cpu_args,
     cpu_env,
     pick_free_port,
+    pick_server_port,
 )
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "cpu_args",
     "cpu_env",
     "pick_free_port",
+    "pick_server_port",
 ]

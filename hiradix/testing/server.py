@@ -22,8 +22,9 @@ Nothing is hidden: the CPU settings this machine needs are the explicit helpers
 `cpu_args(max_total_tokens)` and `cpu_env()`; pass them in yourself.
 
 Ports: when `port` is None a free port is picked from `DEFAULT_PORT_RANGE` (override with
-the environment variable `HIRADIX_PORT_RANGE="33000-33099"`); SGLang's torch.distributed
-port (`--nccl-port`) is picked from the same range unless `extra_args` sets it.
+the environment variable `HIRADIX_PORT_RANGE="33000-33099"`) with the ports SGLang derives from
+it under DP attention free and reserved (`pick_server_port`); SGLang's torch.distributed port
+(`--nccl-port`) is picked from the same range unless `extra_args` sets it.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PORT_RANGE: tuple[int, int] = (20000, 29999)  # inclusive; wide, so that servers of concurrent test runs rarely collide
 _PORTS_HANDED_OUT: set[int] = set()  # ports picked by this process (not yet bound by SGLang)
+# With DP attention SGLang 0.5.23 binds TCP ports port+233 .. port+239 next to a server's HTTP port
+# (sglang/srt/server_args.py PortArgs.init_new, ZMQ_TCP_PORT_DELTA = 233: dist init, tokenizer,
+# detokenizer, rpc, metrics, scheduler input, load collector); a server port keeps them reserved.
+SERVER_DERIVED_PORT_OFFSETS: range = range(233, 240)
 
 
 def cpu_args(max_total_tokens: int) -> list[str]:
@@ -169,6 +174,43 @@ def pick_free_port(port_range: tuple[int, int] | None = None) -> int:
     raise RuntimeError(f"no free TCP port in {low}-{high}")
 
 
+def pick_server_port(port_range: tuple[int, int] | None = None) -> int:
+    """Pick an HTTP port for an SGLang server, with the ports SGLang derives from it free too.
+
+    Like `pick_free_port`, but the port is returned only if `port + SERVER_DERIVED_PORT_OFFSETS`
+    (bound by SGLang with DP attention) are free now and not handed out by this process; all of
+    them are then marked handed out, so no later `pick_free_port` (an nccl port, a store's, a
+    router's) lands on a port a server binds later.
+
+    Args:
+        port_range: `(low, high)`, inclusive, for the HTTP port. Default: `HIRADIX_PORT_RANGE`
+            or `DEFAULT_PORT_RANGE`.
+
+    Returns:
+        A port number.
+
+    Raises:
+        RuntimeError: If no port in the range qualifies.
+    """
+    low, high = port_range or _port_range_from_env()
+    candidates = list(range(low, high + 1))
+    random.shuffle(candidates)
+    for port in candidates:
+        window = [port, *(port + offset for offset in SERVER_DERIVED_PORT_OFFSETS)]
+        if any(p in _PORTS_HANDED_OUT or p > 65535 for p in window):
+            continue
+        if all(_port_is_free(p) for p in window):
+            reserve_server_ports(port)
+            return port
+    raise RuntimeError(f"no free TCP port in {low}-{high} with its DP-attention ports free")
+
+
+def reserve_server_ports(port: int) -> None:
+    """Mark `port` and the ports SGLang derives from it as handed out by this process."""
+    _PORTS_HANDED_OUT.add(port)
+    _PORTS_HANDED_OUT.update(port + offset for offset in SERVER_DERIVED_PORT_OFFSETS)
+
+
 class ServerStartError(RuntimeError):
     """The server process exited, or did not become healthy in time; the message has the log tail."""
 
@@ -201,7 +243,7 @@ class ServerProcess:
 
         Args:
             model_path: Model directory (or HF id) for `--model-path`.
-            port: HTTP port; None picks a free one (see `pick_free_port`).
+            port: HTTP port; None picks a free one (see `pick_server_port`).
             extra_args: More `launch_server` flags, e.g. `cpu_args(4096) + ["--enable-hiradix"]`.
             env: Variables added to (and overriding) this process's environment, e.g. `cpu_env()`.
             log_path: Where to write the server log; None uses a temporary file (kept).
@@ -212,7 +254,8 @@ class ServerProcess:
         """
         self.model_path = str(model_path)
         self.host = host
-        self.port = port if port is not None else pick_free_port()
+        self.port = port if port is not None else pick_server_port()
+        reserve_server_ports(self.port)
         self.extra_args = list(extra_args)
         self.nccl_port = None if "--nccl-port" in self.extra_args else pick_free_port()
         self.env = dict(env or {})
