@@ -7,7 +7,8 @@ may drop an object at any time, so a store copy is confirmed only by a GET that 
 
 * Shares (PUT, DRAM -> store): ``write_through`` puts a node once its KV is in DRAM (a backup or
   an NVMe read landed), so another server can hit while the first still holds it in HBM;
-  ``write_back`` puts it once it has left HBM (DRAM holds the last fast copy). Bounded in flight.
+  ``write_back`` puts it once it has left HBM (DRAM holds the last fast copy). Bounded in flight
+  (jobs, and half of DRAM's pages: a wedged store call must not pin DRAM whole).
   A write-through backup that found DRAM full is opened once room is made
   (:mod:`hiradix.core.deferred_backups`), and a DRAM copy queued for a PUT stays when its
   demotion to NVMe lands (:meth:`wants_put`), so every page is shared, not only those DRAM had
@@ -54,6 +55,10 @@ STORE_FAILURES_IN_ROW = 5  # failed store jobs in a row before the tier is switc
 STORE_RETRY_S = 30.0  # first wait before a switched-off store is tried again
 STORE_RETRY_MAX_S = 600.0  # longest wait between tries
 MAX_PUTS_IN_FLIGHT = 32  # PUT jobs in flight, each one node
+# PUTs in flight pin their DRAM pages (the source) until the store answers; they stop starting
+# once they hold this fraction of DRAM, so a slow or wedged store (the I/O worker restarts only
+# after its call limit) leaves DRAM room for backups and NVMe reads instead of taking it whole.
+MAX_PUT_DRAM_FRACTION = 0.5
 MAX_LOOKUP_PAGES = 4096  # pages asked for in one lookup
 # A key where a lookup's run ended, or whose GET missed, is not looked up again until this many
 # more ops were opened: admission retries a skipped request every step, and each retry would
@@ -150,20 +155,24 @@ class StoreTier:
                 self._to_put[node.id] = node
 
     def submit_puts(self) -> None:
-        """Start PUTs of the queued nodes still in DRAM and not in the store (bounded in flight)."""
+        """Start PUTs of the queued nodes still in DRAM and not in the store, bounded in flight:
+        at most ``MAX_PUTS_IN_FLIGHT`` jobs, and none started once those in flight hold
+        ``MAX_PUT_DRAM_FRACTION`` of DRAM's pages (the rest wait in the queue)."""
         if not self.enabled:
             self._to_put.clear()
             return
-        in_flight = len(self.books.in_flight(Kind.PUT))
+        ops = self.books.in_flight(Kind.PUT)
+        in_flight, pages = len(ops), sum(len(op.src_ids) for op in ops)
+        max_pages = max(1, int(self.books.dram.capacity * MAX_PUT_DRAM_FRACTION))
         for node_id in list(self._to_put):
-            if in_flight >= MAX_PUTS_IN_FLIGHT:
+            if in_flight >= MAX_PUTS_IN_FLIGHT or pages >= max_pages:
                 return
             node = self._to_put.pop(node_id)
             if not node.alive or not node.in_tier(Tier.DRAM) or node.in_tier(Tier.STORE) or node.pinned[Tier.STORE]:
                 continue
             op = self.books.prepare(Kind.PUT, [node], store_keys=self.keys_of(node))
             self.client.submit_put(op.op_id, op.src_ids, op.dst_ids)
-            in_flight += 1
+            in_flight, pages = in_flight + 1, pages + len(op.src_ids)
 
     # ------------------------------------------------------------ lookups
     def tail_hash(self, m: TreeMatch, tokens: Sequence[int], namespace: Optional[tuple]) -> Optional[bytes]:

@@ -316,7 +316,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
         store_call_limit_s: A store backend call running longer than this, in seconds, means
             a wedged store client: the worker exits (exit status ``WEDGED_STORE_EXIT_CODE`` in
             :mod:`hiradix.io.worker`) so its client fails the jobs and respawns it. 0 (the
-            default): ``max(60 s, 4 x`` the backend's ``call_deadline_s``).
+            default): the config's ``call_limit_s``, else ``max(10 s, 4 x`` its ``call_deadline_s``).
         tp_rank: The TP rank this worker serves (names it in logs; test faults may target one).
         store_writer: False: PUTs report success without writing (another rank writes the same
             bytes under the same keys: MLA under TP, ``fingerprint.is_store_writer``); GETs and

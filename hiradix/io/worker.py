@@ -108,7 +108,7 @@ LOG_LEVEL_ENV = "HIRADIX_LOG_LEVEL"  # the worker's logging level name, WARNING 
 PARENT_POLL_S = 0.2  # how often the loop checks that the parent is alive, in seconds
 ACK_LINGER_S = 2.0  # how long queued replies may take to leave at exit, in seconds
 WEDGED_STORE_EXIT_CODE = 3  # exit status after a store call ran past spec.store_call_limit_s
-STORE_CALL_LIMIT_MIN_S = 60.0  # the derived store call limit is at least this, in seconds
+STORE_CALL_LIMIT_MIN_S = 10.0  # the derived store call limit is at least this, in seconds
 STORE_CALL_LIMIT_FACTOR = 4.0  # ... and at least this many times the backend's call_deadline_s
 COLD_CHUNK_PAGES = 32  # pages a compressed tier encodes or decodes per step (scratch per thread)
 
@@ -323,8 +323,14 @@ class Worker:
 
 
 def _derived_call_limit_s(cluster) -> float:
-    """The store call limit when the spec gives none: far past the backend's own deadlines."""
-    deadline_s = getattr(getattr(cluster, "config", None), "call_deadline_s", 0.0)
+    """The store call limit when the spec gives none: the config's ``call_limit_s`` if set, else
+    well past the backend's own deadlines (``max(STORE_CALL_LIMIT_MIN_S, FACTOR * deadline)``).
+    A wedged call holds its PUTs' DRAM pages until then (at most half of DRAM, see
+    :data:`hiradix.core.store_tier.MAX_PUT_DRAM_FRACTION`)."""
+    config = getattr(cluster, "config", None)
+    if getattr(config, "call_limit_s", 0):
+        return float(config.call_limit_s)
+    deadline_s = getattr(config, "call_deadline_s", 0.0)
     return max(STORE_CALL_LIMIT_MIN_S, STORE_CALL_LIMIT_FACTOR * deadline_s)
 
 

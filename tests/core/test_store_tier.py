@@ -12,6 +12,7 @@ import logging
 import pytest
 
 from hiradix.core import store_tier
+from hiradix.core.ledger import Kind
 from hiradix.core.node import Tier
 from hiradix.core.policy import make_policy
 from hiradix.core.prefix_cache import TieredPrefixCache
@@ -274,6 +275,38 @@ def test_failed_puts_in_a_row_switch_the_store_off_once_and_it_comes_back(caplog
     settle(a)
     assert a.tree.tier_tokens[Tier.STORE] == 6 and len(store) == 3
     assert any("cluster store works again" in r.getMessage() for r in caplog.records)
+
+
+class WedgedPuts(FailingPuts):
+    """Wraps an I/O client: PUTs are taken and never answered (a wedged store client, until the
+    I/O worker's call limit restarts it)."""
+
+    def submit_put(self, job_id, dram_pages, keys):
+        self.failed = []  # nothing ever comes back
+
+
+def test_puts_a_wedged_store_never_answers_pin_at_most_half_of_dram_and_lose_nothing():
+    """PUTs in flight pin their DRAM pages. Against a store that never answers they stop starting
+    once they hold half of DRAM, so backups and demotions go on in the other half: every prompt
+    leaves HBM with a copy below (none lost), instead of DRAM filling with pinned PUT sources
+    and HBM dropping last copies (a CI run: PUT in flight 12, DRAM 96/97, HBM dropped 288)."""
+    clock, store = SimClock(), SimStore()
+    a = Server(store, clock, dram_pages=12, nvme_slots=64)
+    a.tiers.client = a.tiers.store.client = WedgedPuts(a.tiers.client)
+    prompts = [keys(20 + tag) for tag in range(6)]  # 3 pages each, 18 in all: more than DRAM
+    for prompt in prompts:
+        a.serve(prompt)
+        settle(a)
+        put_pages = sum(len(op.src_ids) for op in a.tiers.books.in_flight(Kind.PUT))
+        assert put_pages <= 6, put_pages  # half of DRAM (the last job started below that)
+    assert len(a.tiers.books.in_flight(Kind.PUT)) == 2 and len(store) == 0
+    for prompt in prompts:  # every prompt leaves HBM, one at a time (as requests need room)
+        a.cache.evict(len(prompt))
+        settle(a)
+    assert a.tiers.books.dropped_tokens[Tier.HBM] == 0
+    for prompt in prompts:
+        assert a.tree.match(prompt, split=False).matched_len == len(prompt)  # from DRAM or NVMe
+    assert a.tree.tier_tokens[Tier.HBM] == 0 and a.tree.tier_tokens[Tier.NVME] >= 24
 
 
 def test_admission_retries_do_not_ask_again_after_a_lookup_found_nothing(cluster):

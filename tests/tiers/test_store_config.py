@@ -6,6 +6,7 @@ No Mooncake process is needed: these run without the wheel.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,6 +25,17 @@ def test_minimal_json_gets_the_documented_defaults():
     assert (config.protocol, config.metadata_server, config.global_segment_bytes) == ("tcp", "P2PHANDSHAKE", 0)
     assert config.rpc_timeout_ms == 1000 and config.rpc_timeout_s == 1.0
     assert StoreConfig.parse(config.to_json(), FLAG) == config
+
+
+def test_the_wedged_call_limit_is_derived_from_the_deadlines_unless_given():
+    from hiradix.io.worker import _derived_call_limit_s
+
+    derived = SimpleNamespace(config=StoreConfig.parse(MINIMAL, FLAG))  # deadlines 1 s RPC + 2 s transfer
+    assert derived.config.call_limit_s == 0 and _derived_call_limit_s(derived) == 12.0
+    slow = SimpleNamespace(config=StoreConfig.parse('{"master_server_address": "h:1", "transfer_timeout_s": 30}', FLAG))
+    assert _derived_call_limit_s(slow) == 4 * 31.0
+    given = SimpleNamespace(config=StoreConfig.parse('{"master_server_address": "h:1", "call_limit_s": 90}', FLAG))
+    assert _derived_call_limit_s(given) == 90.0
 
 
 def test_a_json_file_path_is_read(tmp_path):
@@ -46,6 +58,8 @@ def test_a_json_file_path_is_read(tmp_path):
         ('{"master_server_address": "h:1", "transfer_timeout_s": 0}', "transfer_timeout_s"),
         ('{"master_server_address": "h:1", "setup_retries": true}', "setup_retries"),
         ('{"master_server_address": "h:1", "tcp_connection_pool": 1}', "tcp_connection_pool"),
+        ('{"master_server_address": "h:1", "call_limit_s": -1}', "call_limit_s"),
+        ('{"master_server_address": "h:1", "call_limit_s": 3601}', "call_limit_s"),
         ('{"master_server_address": "h:1", "global_segment_bytes": -1}', "global_segment_bytes"),
         ('{"master_server_address": "h:1", "local_buffer_bytes": "16MB"}', "local_buffer_bytes"),
         ('{"master_server_address": "h:1", "local_hostname": " "}', "local_hostname"),

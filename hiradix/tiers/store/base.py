@@ -177,6 +177,11 @@ class StoreConfig:
             stalled holder fails a get after ``transfer_timeout_s``; on, stalled transfers
             queue behind each other (16 keys took 11-18 s with a 1-2 s timeout); a healthy
             store may move more bytes per second with it (``bench/micro/store_io.py``; noisy here).
+        call_limit_s: a store call running longer than this, in whole seconds, means a wedged
+            client (Mooncake's TCP transport can deadlock inside a put): the I/O worker exits,
+            its jobs fail (misses; their DRAM pages are released) and a fresh worker starts.
+            0 (the default): ``max(10, 4 * call_deadline_s)`` (12 s with the defaults). Raise it
+            when one batched call of 512 pages may honestly take longer (big pages, slow link).
     """
 
     master_server_address: str
@@ -190,6 +195,7 @@ class StoreConfig:
     setup_retries: int = 1
     device_name: str = ""
     tcp_connection_pool: bool = False
+    call_limit_s: int = 0
 
     @property
     def master_host_port(self) -> tuple[str, int]:
@@ -264,6 +270,8 @@ class StoreConfig:
             raise bad("transfer_timeout_s", "must be in 1..600 s")
         if not 0 < self.setup_retries <= 100:
             raise bad("setup_retries", "must be in 1..100")
+        if not 0 <= self.call_limit_s <= 3600:
+            raise bad("call_limit_s", "must be in 0..3600 s (0: derived from the deadlines)")
 
 
 def _load_json(text: str, flag: str) -> Any:
