@@ -164,14 +164,7 @@ def pick_free_port(port_range: tuple[int, int] | None = None) -> int:
     Raises:
         RuntimeError: If no port in the range is free.
     """
-    low, high = port_range or _port_range_from_env()
-    candidates = [p for p in range(low, high + 1) if p not in _PORTS_HANDED_OUT]
-    random.shuffle(candidates)
-    for port in candidates:
-        if _port_is_free(port):
-            _PORTS_HANDED_OUT.add(port)
-            return port
-    raise RuntimeError(f"no free TCP port in {low}-{high}")
+    return _pick(port_range, ())
 
 
 def pick_server_port(port_range: tuple[int, int] | None = None) -> int:
@@ -182,33 +175,31 @@ def pick_server_port(port_range: tuple[int, int] | None = None) -> int:
     them are then marked handed out, so no later `pick_free_port` (an nccl port, a store's, a
     router's) lands on a port a server binds later.
 
-    Args:
-        port_range: `(low, high)`, inclusive, for the HTTP port. Default: `HIRADIX_PORT_RANGE`
-            or `DEFAULT_PORT_RANGE`.
-
-    Returns:
-        A port number.
-
     Raises:
         RuntimeError: If no port in the range qualifies.
     """
+    return _pick(port_range, SERVER_DERIVED_PORT_OFFSETS)
+
+
+def _pick(port_range: tuple[int, int] | None, offsets: Sequence[int]) -> int:
+    """A random port of the range that, with `port + offset` for each offset, is free now and not
+    handed out; all of them are marked handed out."""
     low, high = port_range or _port_range_from_env()
     candidates = list(range(low, high + 1))
     random.shuffle(candidates)
     for port in candidates:
-        window = [port, *(port + offset for offset in SERVER_DERIVED_PORT_OFFSETS)]
-        if any(p in _PORTS_HANDED_OUT or p > 65535 for p in window):
+        window = [port, *(port + offset for offset in offsets)]
+        if any(p in _PORTS_HANDED_OUT or p > 65535 for p in window) or not all(map(_port_is_free, window)):
             continue
-        if all(_port_is_free(p) for p in window):
-            reserve_server_ports(port)
-            return port
-    raise RuntimeError(f"no free TCP port in {low}-{high} with its DP-attention ports free")
+        _PORTS_HANDED_OUT.update(window)
+        return port
+    needs = " with its DP-attention ports free" if offsets else ""
+    raise RuntimeError(f"no free TCP port in {low}-{high}{needs}")
 
 
 def reserve_server_ports(port: int) -> None:
-    """Mark `port` and the ports SGLang derives from it as handed out by this process."""
-    _PORTS_HANDED_OUT.add(port)
-    _PORTS_HANDED_OUT.update(port + offset for offset in SERVER_DERIVED_PORT_OFFSETS)
+    """Mark a given server `port` and the ports SGLang derives from it as handed out."""
+    _PORTS_HANDED_OUT.update([port, *(port + offset for offset in SERVER_DERIVED_PORT_OFFSETS)])
 
 
 class ServerStartError(RuntimeError):
@@ -254,8 +245,11 @@ class ServerProcess:
         """
         self.model_path = str(model_path)
         self.host = host
-        self.port = port if port is not None else pick_server_port()
-        reserve_server_ports(self.port)
+        if port is None:
+            port = pick_server_port()
+        else:
+            reserve_server_ports(port)
+        self.port = port
         self.extra_args = list(extra_args)
         self.nccl_port = None if "--nccl-port" in self.extra_args else pick_free_port()
         self.env = dict(env or {})
