@@ -10,7 +10,10 @@ worker can no longer write into the pages involved.
 
 Respawn is bounded: when the worker has died ``max_respawns`` times within
 ``respawn_window_s`` seconds, the client stops respawning and ``disabled`` turns True (the
-cache then switches the NVMe tier off). Each incarnation gets fresh socket names, so a job
+cache then switches the NVMe tier off). An exit with ``WEDGED_STORE_EXIT_CODE`` (a cluster-store
+call ran past its limit) is not counted: the store failed, not the worker or the disk, and the
+jobs it fails count against the store, which switches itself off and backs off
+(:mod:`hiradix.core.store_tier`); ``store_wedges`` counts those exits. Each incarnation gets fresh socket names, so a job
 queued for a dead worker never reaches its successor.
 
 Blocking calls: ``start``, ``check_alive`` when it respawns (up to ``ready_timeout_s``),
@@ -51,6 +54,7 @@ from hiradix.io.protocol import (
     StorePages,
     WorkerReply,
     WorkerRequest,
+    WEDGED_STORE_EXIT_CODE,
     WorkerSpec,
     decode_reply,
     job_pages,
@@ -153,6 +157,7 @@ class IOWorkerClient:
         self._closed = False
         self.disabled = False  # True once respawning gave up; jobs then fail at once
         self.respawns = 0  # successful respawns so far
+        self.store_wedges = 0  # exits with WEDGED_STORE_EXIT_CODE (not counted as deaths)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -391,16 +396,22 @@ class IOWorkerClient:
         self._drain(worker)  # completions it sent before dying still count
         for job_id in list(self._in_flight):
             self._fail(job_id, "worker died")
+        wedged = worker.proc.returncode == WEDGED_STORE_EXIT_CODE
         worker.dispose()
         self._worker = None
-        self._respawn()
+        if wedged:
+            self.store_wedges += 1
+        self._respawn(count_death=not wedged)
         return False
 
-    def _respawn(self) -> None:
-        """Spawn a successor unless too many deaths fell within the window (then disable)."""
+    def _respawn(self, count_death: bool = True) -> None:
+        """Spawn a successor unless too many deaths fell within the window (then disable);
+        ``count_death`` False: the exit that calls this is not one of them (a wedged store)."""
         while True:
             now_s = time.monotonic()
-            self._deaths_s.append(now_s)
+            if count_death:
+                self._deaths_s.append(now_s)
+            count_death = True  # a successor that fails to start is a death
             while self._deaths_s and self._deaths_s[0] < now_s - self.respawn_window_s:
                 self._deaths_s.popleft()
             if len(self._deaths_s) > self.max_respawns:

@@ -37,6 +37,9 @@ from hiradix.core.ports import READ_AT_ADMISSION, READ_BACKGROUND, READ_QUEUED
 
 # Longest path a Unix domain socket accepts (sun_path is 108 bytes with its NUL).
 MAX_IPC_PATH_BYTES = 107
+# The worker's exit status after a store call ran past its limit (a wedged store client): the
+# store's failure, not the worker's; the client respawns without counting it as a crash.
+WEDGED_STORE_EXIT_CODE = 3
 
 # Priorities of NVMe jobs in the worker, most urgent first (the core's READ_* of hiradix.core.ports).
 PRIORITY_ADMISSION, PRIORITY_QUEUED, PRIORITY_BACKGROUND = READ_AT_ADMISSION, READ_QUEUED, READ_BACKGROUND
@@ -314,8 +317,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
         store_threads: Store jobs run concurrently, on their own threads (a slow store never
             delays NVMe jobs).
         store_call_limit_s: A store backend call running longer than this, in seconds, means
-            a wedged store client: the worker exits (exit status ``WEDGED_STORE_EXIT_CODE`` in
-            :mod:`hiradix.io.worker`) so its client fails the jobs and respawns it. 0 (the
+            a wedged store client: the worker exits (exit status ``WEDGED_STORE_EXIT_CODE``)
+            so its client fails the jobs and respawns it. 0 (the
             default): the config's ``call_limit_s``, else ``max(10 s, 4 x`` its ``call_deadline_s``).
         tp_rank: The TP rank this worker serves (names it in logs; test faults may target one).
         store_writer: False: PUTs report success without writing (another rank writes the same

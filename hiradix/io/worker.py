@@ -90,6 +90,7 @@ from hiradix.io.protocol import (
     StartFailed,
     StorePages,
     WorkerReply,
+    WEDGED_STORE_EXIT_CODE,
     WorkerSpec,
     decode_request,
     job_pages,
@@ -107,7 +108,6 @@ logger = logging.getLogger(__name__)
 LOG_LEVEL_ENV = "HIRADIX_LOG_LEVEL"  # the worker's logging level name, WARNING by default
 PARENT_POLL_S = 0.2  # how often the loop checks that the parent is alive, in seconds
 ACK_LINGER_S = 2.0  # how long queued replies may take to leave at exit, in seconds
-WEDGED_STORE_EXIT_CODE = 3  # exit status after a store call ran past spec.store_call_limit_s
 STORE_CALL_LIMIT_MIN_S = 10.0  # the derived store call limit is at least this, in seconds
 STORE_CALL_LIMIT_FACTOR = 4.0  # ... and at least this many times the backend's call_deadline_s
 COLD_CHUNK_PAGES = 32  # pages a compressed tier encodes or decodes per step (scratch per thread)

@@ -29,8 +29,8 @@ import pytest
 from hiradix.sglang_plugin.model_check import page_bytes_estimate
 from hiradix.testing.mooncake import MooncakeCluster
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, stop_all
-from tests.helpers.e2e import (assert_same_outputs, chat, settled, dram_pools_mapped, metric, mla_model, run_sessions, tier_hits,
-                                user_turn)
+from tests.helpers.e2e import (assert_same_outputs, chat, settled, dram_pools_mapped, metric, mla_model, run_sessions,
+                                settle_transfers, tier_hits, user_turn)
 from tests.helpers.store import logged_key_prefix, wait_until_stored
 
 pytestmark = pytest.mark.e2e
@@ -160,6 +160,7 @@ def test_restart_re_indexes_the_nvme_tier_of_latent_pages(mla_servers, tmp_path)
     old = mla_servers["hiradix-v2a"]
     prompt = [SYSTEM, {"role": "user", "content": user_turn(0, 0, WORDS)}]
     before = chat(old.base_url, prompt)
+    settle_transfers(old.base_url)  # demotions in flight at a stop never reach the index
     nvme_tokens = metric(old.base_url, "sglang:hiradix_tier_used_tokens", tier="NVMe")
     old.stop()
     assert nvme_tokens > 0
@@ -215,13 +216,20 @@ def test_tp2_restart_re_indexes_the_shared_nvme_tier_on_both_ranks(mla_servers, 
     old = mla_servers["hiradix-v2tp2"]
     prompt = [SYSTEM, {"role": "user", "content": user_turn(200, 0, WORDS)}]
     before = chat(old.base_url, prompt)
+    # A stop kills the demotions in flight: right after the churn of the test before, every one of
+    # the 24 slots may be on its way to a new page (invalidated in the index until it lands), and
+    # the restart would find none (a CI run did: "re-indexed 0 pages").
+    settle_transfers(old.base_url, tp_rank="0")
+    nvme_tokens = metric(old.base_url, "sglang:hiradix_tier_used_tokens", tier="NVMe", tp_rank="0")
     old.stop()
+    assert nvme_tokens > 0
     new = ServerProcess(old.model_path, extra_args=old.extra_args, env=old.env, log_path=tmp_path / "restarted.log",
                         startup_timeout_s=600)
     mla_servers["hiradix-v2tp2"] = new  # stopped by the module fixture
     new.start()
     restored = [metric(new.base_url, "sglang:hiradix_nvme_restored_pages", tp_rank=str(r)) for r in (0, 1)]
-    assert restored[0] == restored[1] > 0, restored
+    logged = re.search(r"same fingerprint; re-indexed (\d+) pages \((\d+) orphan", new.log_text())
+    assert restored[0] == restored[1] > 0, (restored, nvme_tokens, logged and logged.group(0))
     after = chat(new.base_url, prompt)
     assert after["text"] == before["text"] and after["cached"] >= PAGE_TOKENS, after
     log = assert_sane(new)

@@ -18,7 +18,6 @@ import os
 import re
 import signal
 import stat
-import time
 from pathlib import Path
 
 import psutil
@@ -26,7 +25,7 @@ import pytest
 
 from hiradix.persistence.index import Put, _read_records, _replay
 
-from tests.helpers.e2e import chat, flush_tiers, metric, run_sessions, shm_dirs_of, start, user_turn
+from tests.helpers.e2e import chat, flush_tiers, metric, run_sessions, settle_transfers, shm_dirs_of, start, user_turn
 
 pytestmark = pytest.mark.e2e
 
@@ -53,16 +52,6 @@ def last_turn_prompts(results: list[list[dict]]) -> list[list[dict]]:
     return prompts
 
 
-def settle(base_url: str, timeout_s: float = 120.0) -> None:
-    """Drive scheduler steps with 1-token requests until no transfer is in flight twice in a row."""
-    deadline = time.monotonic() + timeout_s
-    quiet = 0
-    while quiet < 2:
-        assert time.monotonic() < deadline, "transfers still in flight"
-        chat(base_url, [{"role": "user", "content": "ping"}], max_tokens=1)
-        quiet = quiet + 1 if metric(base_url, "sglang:hiradix_transfers_in_flight") == 0 else 0
-
-
 def flush_and_repeat(base_url: str, prompt: list[dict]) -> dict:
     """POST /flush_cache; wait (no requests) until every tier gauge reads 0; send ``prompt`` again."""
     flush_tiers(base_url)
@@ -75,7 +64,7 @@ def test_nvme_tier_survives_restart_and_other_fingerprint_is_not_reused(tiny_mod
     with start(tiny_model, tmp_path / "s1.log", 2048, flags(nvme_dir)) as s1:
         prompts = last_turn_prompts(run_sessions(s1.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS))
         before = [chat(s1.base_url, p) for p in prompts]
-        settle(s1.base_url)
+        settle_transfers(s1.base_url)
         nvme_tokens = metric(s1.base_url, "sglang:hiradix_tier_used_tokens", tier="NVMe")
         shm = {"s1": shm_dirs_of(s1)}
         pids = [s1.pid] + [p.pid for p in s1.descendants()]

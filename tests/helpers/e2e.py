@@ -209,3 +209,15 @@ def flush_tiers(base_url: str, timeout_s: float = 60.0) -> None:
     while any(metric(base_url, "sglang:hiradix_tier_used_tokens", tier=t) for t in ("HBM", "DRAM", "NVMe")):
         assert time.monotonic() < deadline, "tiers not empty after /flush_cache"
         time.sleep(0.5)
+
+
+def settle_transfers(base_url: str, timeout_s: float = 120.0, **labels: str) -> None:
+    """Drive scheduler steps with 1-token requests until no transfer is in flight (on the ranks
+    ``labels`` select, e.g. ``tp_rank="0"``) twice in a row: what landed on NVMe is in its
+    durable index before a test stops the server (a stop kills transfers in flight)."""
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
+    while quiet < 2:
+        assert time.monotonic() < deadline, "transfers still in flight"
+        chat(base_url, [{"role": "user", "content": "ping"}], max_tokens=1)
+        quiet = quiet + 1 if metric(base_url, "sglang:hiradix_transfers_in_flight", **labels) == 0 else 0

@@ -1,6 +1,7 @@
 """A store call that runs past the worker's limit (a wedged Mooncake client) ends the I/O worker
 by that limit; its jobs fail as "worker died" (the core releases their DRAM pages) and a fresh
-worker serves the store again.
+worker serves the store again. That exit is the store's failure: it does not count toward the
+client's bound on crashes (which would switch the NVMe tier off).
 
 Mooncake 0.3.13's TCP transport can deadlock inside a put (two clients putting into a full
 store; the soak's servers stopped writing and held their PUTs' DRAM pages for good). That
@@ -34,7 +35,8 @@ def test_a_store_call_past_its_limit_ends_the_worker_and_fails_its_jobs(spec, po
                          transfer_timeout_s=TRANSFER_TIMEOUT_S) as cluster:  # fmt: skip
         wspec = msgspec.structs.replace(spec, store_backend="mooncake", store_config=cluster.config_json(),
                                         store_call_limit_s=LIMIT_S)  # fmt: skip
-        with IOWorkerClient(wspec, ready_timeout_s=WAIT_S) as client:
+        # max_respawns=0: one crash would disable the client (and the NVMe tier with it)
+        with IOWorkerClient(wspec, ready_timeout_s=WAIT_S, max_respawns=0) as client:
             fill(pool, range(8), seed=5)
             keys = [f"wedge/{i}" for i in range(4)]
             client.submit_put(1, [0, 1, 2, 3], keys)
@@ -53,6 +55,7 @@ def test_a_store_call_past_its_limit_ends_the_worker_and_fails_its_jobs(spec, po
             assert LIMIT_S <= elapsed_s < LIMIT_S + MARGIN_S, elapsed_s
             assert f"died with status {WEDGED_STORE_EXIT_CODE}" in caplog.text
             assert client.respawns == 1 and client.pid not in (None, pid)
+            assert client.store_wedges == 1 and not client.disabled
             # the fresh worker has a fresh store client: what the first put stored reads back
             client.submit_get(3, keys, [16, 17, 18, 19])
             assert wait_for(client, {3})[3].ok == [True] * 4
