@@ -55,7 +55,10 @@ def deployments(tiny_model: Path, store, tmp_path_factory) -> dict:
     for tier in ("nvme", "nvme-dp"):
         (tmp / tier).mkdir()
     bootstrap = pick_free_port()
-    env = {**cpu_env(), "NO_PROXY": "127.0.0.1,localhost", "HIRADIX_CHECK_INTEGRITY": "1"}
+    # SGLANG_HOST_IP: SGLang's PD KV transfer (mooncake_tcp) goes over loopback, not the machine's
+    # interface address (a CI run lost its first turn: "Failed to send kv chunk ... to 192.0.2.2",
+    # then "remote mooncake session ... is not alive" for every request after it).
+    env = {**cpu_env(), "NO_PROXY": "127.0.0.1,localhost", "HIRADIX_CHECK_INTEGRITY": "1", "SGLANG_HOST_IP": "127.0.0.1"}
     shared = ["--enable-hiradix", "--hiradix-store", "mooncake", "--hiradix-store-config", store.config_json()]
     servers = {
         "prefill": ServerProcess(tiny_model, extra_args=cpu_args(1024) + PD_FLAGS + shared + [
@@ -72,8 +75,10 @@ def deployments(tiny_model: Path, store, tmp_path_factory) -> dict:
     servers["hiradix-dp"] = ServerProcess(v2, extra_args=cpu_args(1024) + DP_FLAGS + shared + [
         "--hiradix-dram-gb", "0.001", "--hiradix-nvme-path", str(tmp / "nvme-dp"), "--hiradix-nvme-gb", "0.1",
         "--hiradix-load-timeout-s", "5"], env=dp_env, log_path=tmp / "hiradix-dp.log", startup_timeout_s=600)  # fmt: skip
+    # No circuit breaker: a PD transfer SGLang fails is retried by the router (its default retries)
+    # instead of closing both workers to every later request (503 for the rest of that CI run).
     router = RouterProcess(tmp / "router.log", prefill=[(servers["prefill"].base_url, bootstrap)],
-                           decode=[servers["decode"].base_url])
+                           decode=[servers["decode"].base_url], extra_args=["--disable-circuit-breaker"])
     try:
         for server in servers.values():
             server.start(wait=False)
