@@ -13,8 +13,8 @@ Respawn is bounded: when the worker has died ``max_respawns`` times within
 cache then switches the NVMe tier off). An exit with ``WEDGED_STORE_EXIT_CODE`` (a cluster-store
 call ran past its limit) is not counted: the store failed, not the worker or the disk, and the
 jobs it fails count against the store, which switches itself off and backs off
-(:mod:`hiradix.core.store_tier`); ``store_wedges`` counts those exits. Each incarnation gets fresh socket names, so a job
-queued for a dead worker never reaches its successor.
+(:mod:`hiradix.core.store_tier`); ``store_wedges`` counts those exits. Each incarnation gets
+fresh socket names, so a job queued for a dead worker never reaches its successor.
 
 Blocking calls: ``start``, ``check_alive`` when it respawns (up to ``ready_timeout_s``),
 ``ping`` (up to its timeout) and ``close`` (up to ``shutdown_timeout_s`` + kill).
@@ -396,22 +396,20 @@ class IOWorkerClient:
         self._drain(worker)  # completions it sent before dying still count
         for job_id in list(self._in_flight):
             self._fail(job_id, "worker died")
-        wedged = worker.proc.returncode == WEDGED_STORE_EXIT_CODE
+        if worker.proc.returncode == WEDGED_STORE_EXIT_CODE:
+            self.store_wedges += 1
+        else:
+            self._deaths_s.append(time.monotonic())
         worker.dispose()
         self._worker = None
-        if wedged:
-            self.store_wedges += 1
-        self._respawn(count_death=not wedged)
+        self._respawn()
         return False
 
-    def _respawn(self, count_death: bool = True) -> None:
-        """Spawn a successor unless too many deaths fell within the window (then disable);
-        ``count_death`` False: the exit that calls this is not one of them (a wedged store)."""
+    def _respawn(self) -> None:
+        """Spawn a successor unless too many deaths (recorded by the caller; a successor that
+        fails to start is one more) fell within the window (then disable)."""
         while True:
             now_s = time.monotonic()
-            if count_death:
-                self._deaths_s.append(now_s)
-            count_death = True  # a successor that fails to start is a death
             while self._deaths_s and self._deaths_s[0] < now_s - self.respawn_window_s:
                 self._deaths_s.popleft()
             if len(self._deaths_s) > self.max_respawns:
@@ -425,6 +423,7 @@ class IOWorkerClient:
                 return
             except WorkerStartError as exc:
                 logger.warning("respawn failed: %s", exc)
+                self._deaths_s.append(time.monotonic())
 
     def ping(self, timeout_s: float) -> bool:
         """Round trip to the worker; replies that arrive meanwhile are kept for :meth:`poll`.
