@@ -109,3 +109,26 @@ def stock_outputs(stock_server) -> list[list[dict]]:
     from tests.helpers.e2e import SESSIONS, TURNS, WORDS, run_sessions
 
     return run_sessions(stock_server.base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test (its call or its setup) while processes the testing helpers started are alive
+    (servers with their schedulers, detokenizers and I/O workers, routers, Mooncake processes)
+    gets their stacks (py-spy) and log tails in its report, and a copy of their logs under
+    ``hiradix.testing.diagnose.failure_dir()`` (``.ci/run`` prints it). Runs before the fixtures'
+    teardown stops them; a readiness wait that times out inside a fixture puts its own snapshot in
+    its error (``ServerProcess.wait_healthy``)."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed or report.when == "teardown":
+        return
+    from hiradix.testing import diagnose
+
+    processes = diagnose.watched()
+    if not processes:
+        return
+    text = diagnose.snapshot(processes)
+    target = diagnose.save_failure(f"{item.nodeid}-{report.when}", text, processes)
+    report.sections.append(("hiradix: stacks and logs of the processes this test started", text))
+    report.sections.append(("hiradix: failure directory", str(target)))

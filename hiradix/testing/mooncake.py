@@ -42,6 +42,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from hiradix.testing import diagnose
 from hiradix.testing.server import pick_free_port
 from hiradix.tiers.store.base import StoreConfig
 
@@ -92,11 +93,16 @@ class _Proc:
             log.flush()
             self.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                           env=env, start_new_session=True)  # fmt: skip
+        diagnose.watch(self)
         logger.info("started %s pid=%d (log %s)", label, self.popen.pid, log_path)
 
     @property
     def pid(self) -> int:
         return self.popen.pid
+
+    def pids(self) -> list[int]:
+        """Its PID while it runs (for ``hiradix.testing.diagnose``)."""
+        return [self.popen.pid] if self.alive() else []
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -138,11 +144,15 @@ class _Proc:
             except subprocess.TimeoutExpired:
                 logger.warning("%s pid=%d ignored SIGTERM; SIGKILL", self.label, self.pid)
                 self.signal(signal.SIGKILL)
-        return self.popen.wait()
+        code = self.popen.wait()
+        diagnose.unwatch(self)
+        return code
 
     def kill(self) -> int:
         self.signal(signal.SIGKILL)
-        return self.popen.wait()
+        code = self.popen.wait()
+        diagnose.unwatch(self)
+        return code
 
     def log_tail(self, num_lines: int = 30) -> str:
         try:

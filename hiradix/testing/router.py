@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from hiradix.testing import diagnose
 from hiradix.testing.server import pick_free_port
 
 
@@ -88,6 +89,15 @@ class RouterProcess:
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def label(self) -> str:
+        """``smg router :PORT``, how stack dumps name it (``hiradix.testing.diagnose``)."""
+        return f"smg router :{self.port}"
+
+    def pids(self) -> list[int]:
+        """Its PID while it runs ([] before start and after it exited)."""
+        return [self._proc.pid] if self._proc is not None and self._proc.poll() is None else []
+
     def start(self, timeout_s: float = 120.0) -> "RouterProcess":
         """Start it and wait until ``/workers`` lists every worker healthy and ready (``/readiness``
         answers 200 before the workers are registered).
@@ -99,6 +109,7 @@ class RouterProcess:
         env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
         self._proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True)
+        diagnose.watch(self)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -167,6 +178,7 @@ class RouterProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self._proc.pid, signal.SIGKILL)
                 self._proc.wait(10)
+        diagnose.unwatch(self)
         if self._log is not None:
             self._log.close()
             self._log = None

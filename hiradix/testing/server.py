@@ -46,6 +46,8 @@ from typing import Iterable, Mapping, Sequence
 
 import psutil
 
+from hiradix.testing import diagnose
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT_RANGE: tuple[int, int] = (20000, 29999)  # inclusive; wide, so that servers of concurrent test runs rarely collide
@@ -275,6 +277,22 @@ class ServerProcess:
         """PID of the launcher process (also the process-group id), or None before start."""
         return self._proc.pid if self._proc is not None else None
 
+    @property
+    def label(self) -> str:
+        """``sglang :PORT``, how stack dumps name it (``hiradix.testing.diagnose``)."""
+        return f"sglang :{self.port}"
+
+    def pids(self) -> list[int]:
+        """The launcher (if alive) and its live descendants (scheduler, detokenizer, I/O worker)."""
+        if self._proc is None:
+            return []
+        launcher = [self._proc.pid] if self._proc.poll() is None else []
+        return launcher + [p.pid for p in self.descendants()]
+
+    def snapshot(self) -> str:
+        """Stacks of its processes (py-spy) and its log's tail, as text (``hiradix.testing.diagnose``)."""
+        return diagnose.snapshot([self])
+
     def command(self) -> list[str]:
         """The full command line that `start()` runs."""
         cmd = [self.python, "-m", "sglang.launch_server", "--model-path", self.model_path,
@@ -315,6 +333,7 @@ class ServerProcess:
             env={**os.environ, **self.env},
             start_new_session=True,
         )
+        diagnose.watch(self)
         logger.info("started sglang pid=%d on %s (log %s)", self._proc.pid, self.base_url, self.log_path)
         if wait:
             try:
@@ -350,9 +369,10 @@ class ServerProcess:
                 logger.info("sglang on %s healthy after %.1f s", self.base_url, self.startup_s)
                 return
             if time.monotonic() > deadline:
+                # what every process of the server is doing, before a caller stops it
                 raise ServerStartError(
                     f"sglang not healthy after {timeout_s or self.startup_timeout_s:.0f} s; "
-                    f"log {self.log_path}:\n" + self.log_tail()
+                    f"log {self.log_path}; its processes:\n" + self.snapshot()
                 )
             time.sleep(poll_s)
 
@@ -429,6 +449,7 @@ class ServerProcess:
                     _kill_quietly(child)
                 psutil.wait_procs(alive, timeout=5)
         code = proc.wait()
+        diagnose.unwatch(self)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
