@@ -129,12 +129,12 @@ class DecodeOffloader:
         first, count = offload_span(prompt_tokens, len(tokens), page_size)
         if count <= 0:
             return 0
-        reserved = self.books.reserve(count)
+        keys = page_keys(self.key_prefix, tokens[: (first + count) * page_size], namespace, page_size, first)
+        reserved = self.books.reserve(count, keys, time.monotonic())
         if reserved is None:
             return 0
         job_id, staging = reserved
         try:
-            keys = page_keys(self.key_prefix, tokens[: (first + count) * page_size], namespace, page_size, first)
             page_slots = slots[first * page_size : (first + count) * page_size]
             first_buffers, second_buffers = device_buffers(self.kv_pool, self.layout)
             kv_layout.store_pages(first_buffers, second_buffers, page_slots, self.dram.tensor, staging, self.layout)
@@ -151,10 +151,19 @@ class DecodeOffloader:
         if self.client is None:
             return
         self.client.check_alive()
+        now_s = time.monotonic()
         for done in self.client.poll():
-            put = self.books.finish(done.job_id, done.ok)
+            put = self.books.finish(done.job_id, done.ok, now_s)
             if put is not None and done.error:
                 logger.info("hiradix: decode offload PUT of %d pages failed: %s", len(put.staging), done.error)
+        for retry in self.books.due_retries(now_s):  # failed pages, tried again (staging kept)
+            logger.info("hiradix: decode offload: %d pages PUT again (try %d)", len(retry.put.staging), retry.put.attempt)
+            try:
+                self.client.submit_put(retry.job_id, list(retry.put.staging), list(retry.put.keys))
+            except Exception:  # never the scheduler's problem: the retry is dropped and counted
+                logger.warning("hiradix: decode offload retry of %d pages dropped", len(retry.put.staging),
+                               exc_info=True)
+                self.books.cancel(retry.job_id)
         self._log_summary()
 
     def _log_summary(self) -> None:

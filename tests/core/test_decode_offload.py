@@ -47,3 +47,49 @@ def test_books_hold_staging_until_the_put_ends_and_count_outcomes():
     assert books.tokens["failed"] == 4 * PS and books.allocator.num_free == 3
     assert books.finish(job2, [True]) is None            # unknown (already ended): ignored
     books.check_integrity()
+
+
+def test_a_failed_put_is_tried_again_for_its_failed_pages_within_its_budget():
+    from hiradix.core.decode_offload import PUT_ATTEMPTS, PUT_RETRY_BACKOFF_S, PUT_RETRY_BUDGET_S
+
+    books = OffloadBooks(staging_pages=4, page_size=PS)
+    job, staging = books.reserve(3, ["k0", "k1", "k2"], now_s=100.0)
+    # one master RPC timed out: pages 0 and 2 failed, page 1 stored
+    books.finish(job, [False, True, False], now_s=100.2)
+    assert books.tokens == {"stored": PS, "staging_full": 0, "failed": 0}  # nothing lost yet
+    assert books.allocator.num_used == 2  # the failed pages' staging is kept, the stored one freed
+    assert books.due_retries(100.2 + PUT_RETRY_BACKOFF_S / 2) == []  # backoff not over
+    (retry,) = books.due_retries(100.2 + PUT_RETRY_BACKOFF_S)
+    assert retry.put.keys == ("k0", "k2") and retry.put.staging == (staging[0], staging[2])
+    assert retry.put.attempt == 2 and books.due_retries(200.0) == []  # handed out once
+    books.check_integrity()
+    books.finish(retry.job_id, [True, True], now_s=101.0)  # the retry landed: nothing failed
+    assert books.tokens == {"stored": 3 * PS, "staging_full": 0, "failed": 0}
+    assert books.allocator.num_used == 0 and books.retried_pages == 2
+    books.check_integrity()
+    # a store that keeps failing: PUT_ATTEMPTS tries, then the pages count as failed
+    job, _ = books.reserve(2, ["a", "b"], now_s=0.0)
+    now = 0.0
+    for attempt in range(1, PUT_ATTEMPTS + 1):
+        books.finish(job, [False, False], now_s=now)
+        now += 10 * PUT_RETRY_BACKOFF_S
+        due = books.due_retries(now)
+        if attempt < PUT_ATTEMPTS:
+            (retry,) = due
+            job = retry.job_id
+        else:
+            assert due == []
+    assert books.tokens["failed"] == 2 * PS and books.allocator.num_used == 0
+    # no retry starts past the budget, and a PUT without keys is never retried
+    job, _ = books.reserve(1, ["late"], now_s=0.0)
+    books.finish(job, [False], now_s=PUT_RETRY_BUDGET_S)
+    job, _ = books.reserve(1, now_s=0.0)
+    books.finish(job, [False], now_s=0.0)
+    assert books.retries == {} and books.tokens["failed"] == 4 * PS and books.allocator.num_used == 0
+    # a due retry that cannot be submitted is cancelled: failed, staging freed
+    job, _ = books.reserve(1, ["c"], now_s=0.0)
+    books.finish(job, [False], now_s=0.0)
+    (retry,) = books.due_retries(PUT_RETRY_BUDGET_S)
+    books.cancel(retry.job_id)
+    assert books.tokens["failed"] == 5 * PS and books.allocator.num_used == 0
+    books.check_integrity()

@@ -76,3 +76,33 @@ def test_full_staging_and_a_failing_submit_drop_the_put_without_raising():
     assert broken.books.tokens["failed"] == 3 * PS and broken.books.allocator.num_used == 0
     off.close()
     broken.close()
+
+
+class FlakyStoreClient(RecordingClient):
+    """A store whose first PUT fails on every page (one master RPC that timed out: -901)."""
+
+    def submit_put(self, job_id, pages, keys):
+        first = not self.puts
+        super().submit_put(job_id, pages, keys)
+        if first:
+            self.done[-1] = JobDone(job_id, [False] * len(pages))
+
+
+def test_a_put_the_store_failed_once_is_tried_again_with_the_same_bytes_and_keys(monkeypatch):
+    import hiradix.core.decode_offload as books_module
+
+    monkeypatch.setattr(books_module, "PUT_RETRY_BACKOFF_S", 0.0)  # due at once (the clock is real)
+    client = FlakyStoreClient()
+    off = make(4, client)
+    tokens = list(range(200, 213))
+    assert off.offload(tokens, None, prompt_tokens=5, slots=torch.randperm(ROWS)[: len(tokens)]) == 2
+    staged = off.dram.tensor[client.puts[0][1]].clone()
+    off.poll()  # the failed PUT is reaped and tried again under a new job id
+    assert len(client.puts) == 2
+    (job1, pages1, keys1), (job2, pages2, keys2) = client.puts
+    assert job2 != job1 and pages2 == pages1 and keys2 == keys1
+    assert torch.equal(off.dram.tensor[pages2], staged)  # the staging pages were kept as they were
+    off.poll()
+    assert off.books.tokens == {"stored": 2 * PS, "staging_full": 0, "failed": 0}
+    assert off.books.allocator.num_used == 0
+    off.close()
