@@ -61,6 +61,23 @@ def register() -> None:
     hooks.install()
     if hooks.SCHEDULER_MODULE in sys.modules:
         _register_backend()
+    # A launcher that forks its scheduler (HIRADIX_MP_START_METHOD=fork, the test servers:
+    # patches/p09_cpu_fork_start_method.py) hands it this process's state, where the plugins have
+    # already run (SGLang's `load_plugins()` returns at once there); the child installs what a
+    # spawned scheduler would have at its `load_plugins()`.
+    os.register_at_fork(after_in_child=_install_in_forked_child)
+
+
+def _install_in_forked_child() -> None:
+    """In a forked child of a process that imported the scheduler module: the scheduler hooks
+    (when hiradix is on), applied, and the cache backend. Idempotent; nothing without fork."""
+    if hooks.SCHEDULER_MODULE not in sys.modules:
+        return
+    if hooks.install():
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        HookRegistry.apply_hooks()
+    _register_backend()
 
 
 def _register_backend() -> None:

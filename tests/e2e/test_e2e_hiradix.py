@@ -46,6 +46,20 @@ def test_foundation_sessions_match_stock(hiradix_server, stock_outputs):
             assert got[s][t]["cached"] > 0, (s, t, got[s][t])
 
 
+def spawned_children(server) -> bool:
+    """Whether the server's launcher started its processes with multiprocessing's ``spawn``: only
+    ``spawn`` (and ``forkserver``) start a ``multiprocessing.resource_tracker`` child; ``fork`` does not."""
+    return any("multiprocessing.resource_tracker" in " ".join(child.cmdline()) for child in server.descendants())
+
+
+def test_session_servers_spawn_and_fixture_servers_fork_their_processes(hiradix_server, tiered_runs):
+    """The session's servers run SGLang's own start method (``spawn``, what users get); the other
+    test servers fork (patches/p09_cpu_fork_start_method.py), and their scheduler and
+    detokenizer serve the same (the tiered runs match stock: the tests below)."""
+    assert spawned_children(hiradix_server)
+    assert [tiered_runs[policy + "_spawned"] for policy in ("lru", "lookahead", "predictive")] == [False] * 3
+
+
 @pytest.fixture(scope="module")
 def tiered_runs(tiny_model: Path, tmp_path_factory) -> dict[str, list[list[dict]]]:
     """The same queued workload on hiradix `lru`, `lookahead` and `predictive`, HBM << working set.
@@ -67,6 +81,7 @@ def tiered_runs(tiny_model: Path, tmp_path_factory) -> dict[str, list[list[dict]
             runs[policy + "_moved"] = {kind: metric(srv.base_url, "sglang:hiradix_moved_bytes_total", kind=kind)
                                        for kind in ("BACKUP", "PROMOTE", "DEMOTE", "PREFETCH")}
             runs[policy + "_log"] = srv.log_text()
+            runs[policy + "_spawned"] = spawned_children(srv)
     return runs
 
 

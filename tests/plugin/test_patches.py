@@ -302,6 +302,7 @@ def test_apply_is_idempotent():
     import p06_torch_native_mla_dispatch as p06
     import p07_pd_prefill_host_indices_cpu as p07
     import p08_dp_attention_cpu as p08
+    import p09_cpu_fork_start_method as p09
 
     first = subprocess.run([PYTHON, str(PATCHES / "apply.py")], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
@@ -310,17 +311,30 @@ def test_apply_is_idempotent():
     files = [sp / "sglang/srt/mem_cache/pool_host/common.py", sp / "sglang/srt/mem_cache/pool_host/mha.py",
              sp / "torchvision/extension.py", sp / "sglang/srt/layers/attention/torch_native_backend.py",
              sp / "sglang/srt/models/deepseek_common/attention_backend_handler.py",
-             sp / "sglang/srt/disaggregation/prefill.py", sp / "sglang/srt/layers/rotary_embedding/base.py", *sorted((sp / "sgl_kernel").glob("*.py"))]
+             sp / "sglang/srt/disaggregation/prefill.py", sp / "sglang/srt/layers/rotary_embedding/base.py",
+             sp / "sglang/srt/entrypoints/engine.py", *sorted((sp / "sgl_kernel").glob("*.py"))]
     files = [f for f in files if f.exists()]
     before = {f: _sha(f) for f in files}
     second = subprocess.run([PYTHON, str(PATCHES / "apply.py")], capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     lines = second.stdout.strip().splitlines()
-    assert len(lines) == 8, second.stdout
-    for module, line in zip((p01, p02, p03, p04, p05, p06, p07, p08), lines):
+    assert len(lines) == 9, second.stdout
+    for module, line in zip((p01, p02, p03, p04, p05, p06, p07, p08, p09), lines):
         assert line.startswith(f"[patches] {module.NAME}: "), line
         assert ": already applied (" in line or ": skipped (" in line, line
     assert {f: _sha(f) for f in files} == before
+
+
+def test_fork_start_method_is_opt_in():
+    """p09: SGLang's launcher spawns its processes unless HIRADIX_MP_START_METHOD says otherwise."""
+    code = ("import multiprocessing as mp, sglang.srt.entrypoints.engine as e, inspect; "
+            "src = inspect.getsource(e); print('HIRADIX_MP_START_METHOD' in src)")
+    out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})
+    assert out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]
+    import p09_cpu_fork_start_method as p09
+
+    assert '"spawn"' in p09.REPLACEMENT and p09.MARKER in p09.REPLACEMENT  # unset: stock's spawn
 
 
 def test_edit_file_reports_missing_anchor_and_writes_nothing(tmp_path):
