@@ -187,6 +187,11 @@ FLAGS: tuple[FlagSpec, ...] = (
              "How long a request may wait at admission for its NVMe or store pages; then it runs with "
              "the pages that are ready and recomputes the rest.", "SECONDS",
              convert=lambda flag, v: float(v)),
+    FlagSpec("stop_timeout_s", "stop_timeout_s", float, 10.0,
+             "How long a stopping server (SIGTERM, also to its whole process group) waits for the NVMe and store "
+             "writes in flight to land, recording what landed in the durable NVMe index once; then what has not "
+             "landed is lost (counted in the log). 0 = stop at once.", "SECONDS",
+             convert=lambda flag, v: float(v)),
     FlagSpec("store", "store_backend", str, None,
              "Cluster store shared by the servers (the tier below NVMe); none by default.", choices=_store_backends),
     FlagSpec("store_config", "store_config", str, None,
@@ -207,8 +212,9 @@ FLAGS: tuple[FlagSpec, ...] = (
              "the kept tail prefilled again), noshift (a diagnostic: the kept tail's KV at its old positions).",
              choices=lambda: list(OVERFLOW_MODES)),
     FlagSpec("keep_tokens", "keep_tokens", int, -1,
-             "With --hiradix-context-overflow: leading tokens kept in place; -1 = the longest leading part "
-             "the tree shows shared with other conversations (a system prompt), else 0.", "TOKENS"),
+             "With --hiradix-context-overflow: leading tokens kept in place; -1 = the leading part the tree "
+             "shows shared with other conversations (a system prompt, tools, few-shot; never a fork of one "
+             "conversation's own history), else the first page.", "TOKENS"),
     FlagSpec("drop_ratio", "drop_ratio", float, 0.5,
              "With --hiradix-context-overflow: share of the tokens after the kept head that is dropped "
              "(at least the overflow; whole pages).", "RATIO"),
@@ -262,6 +268,8 @@ class HiRadixConfig:
         load_timeout_s: How long a request may wait at admission for its pages to be read
             from NVMe or the cluster store, in seconds (> 0); then it runs with what is ready
             and recomputes the rest. Flag `--hiradix-load-timeout-s`.
+        stop_timeout_s: How long a stopping server waits for the NVMe and store writes in flight
+            to land, in seconds (>= 0; 0: it stops at once, losing them). Flag `--hiradix-stop-timeout-s`.
         store_backend: Cluster-store backend name (`mooncake`), or None: no cluster tier.
             Flag `--hiradix-store`.
         store_config: The store's settings as canonical JSON text ("" without a store).
@@ -291,6 +299,7 @@ class HiRadixConfig:
     lookahead_window: int = _default("lookahead_window")
     write_policy: str = _default("write_policy")
     load_timeout_s: float = _default("load_timeout_s")
+    stop_timeout_s: float = _default("stop_timeout_s")
     store_backend: Optional[str] = None
     store_config: str = ""
     store_write_policy: str = _default("store_write_policy")
@@ -339,6 +348,9 @@ class HiRadixConfig:
             raise HiRadixConfigError(
                 f"{flag['load_timeout_s']} must be a finite number > 0 (seconds), got {timeout!r}"
             )
+        stop = self.stop_timeout_s
+        if isinstance(stop, bool) or not isinstance(stop, (int, float)) or not math.isfinite(stop) or stop < 0:
+            raise HiRadixConfigError(f"{flag['stop_timeout_s']} must be a finite number >= 0 (seconds), got {stop!r}")
 
     def _validate_dram(self) -> None:
         flag = FLAG_OF_FIELD

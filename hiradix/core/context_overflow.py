@@ -7,8 +7,9 @@ again. llama.cpp's context shift does the same with ``n_keep`` and ``n_discard``
 by default). This module decides the cut for a prompt, in pure Python, for the server
 (:mod:`hiradix.sglang_plugin`) and the simulator (:mod:`bench.sim`) alike:
 
-* the first ``keep_tokens`` tokens stay (a system prompt); by default the longest leading part
-  the tree shows shared with other conversations, rounded down to whole pages;
+* the first ``keep_tokens`` tokens stay (a system prompt); by default the leading part the tree
+  shows shared with other conversations, never a fork of one conversation's own history, in
+  whole pages, else the first page (:mod:`hiradix.core.kept_head`);
 * of the rest, the oldest ``drop_ratio`` (at least what the context overflows by) is dropped,
   rounded up to whole pages so the kept tail's cached pages stay page-aligned at their new
   positions;

@@ -27,23 +27,6 @@ from hiradix.core.context_overflow import Truncation
 from hiradix.core.tree import TieredRadixTree, TreeNode
 
 
-def shared_head_tokens(tree: TieredRadixTree, tokens: Sequence[int], namespace: Optional[tuple]) -> int:
-    """The longest leading part of ``tokens`` the tree shows shared by several sequences.
-
-    The end of the deepest node on the cached path of ``tokens`` that has two or more children
-    (a system prompt that several conversations continue), else 0. Whole pages; read-only.
-    """
-    m = tree.match(tokens, namespace, split=False, touch=False)
-    shared, end = 0, 0
-    for node in m.nodes:
-        end += node.num_tokens
-        if end > m.matched_len:
-            break
-        if len(node.children) >= 2:
-            shared = end
-    return shared
-
-
 def _continuations(tree: TieredRadixTree, tokens: Sequence[int], keep: int,
                    namespace: Optional[tuple]) -> Optional[set[tuple]]:
     """First pages the tree holds right after ``tokens[:keep]``; None if the head is not cached."""

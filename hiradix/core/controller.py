@@ -17,7 +17,9 @@ local copy is in DRAM to NVMe (also those the cluster store holds: a store copy 
 and persists the ancestors of what landed there. It owns the NVMe tier's on/off switch: the
 tier goes off, with one warning, after repeated I/O-worker deaths or ``MAX_NVME_FAILURES_IN_ROW``
 failed NVMe writes or reads in a row (:meth:`switch_off_nvme`); the cache then goes on with HBM
-and DRAM.
+and DRAM. Under TP both happen in the same step on every rank: the failures counted are agreed
+outcomes, and a rank's worker deaths are a vote (:class:`~hiradix.core.ports.StepVotes`) that
+switches NVMe off on every rank once any rank's I/O client gave up.
 
 Reads into DRAM come in three priorities (``hiradix.core.ports.READ_*``, the I/O worker's order):
 for a request at admission, which waits for them up to its timeout (also when its read could
@@ -27,7 +29,10 @@ window); and for prefixes the policy predicts will return (:meth:`read_ahead`, b
 Where it waits: NVMe I/O never runs on the scheduler thread, but two things here can block it
 briefly. A write-back eviction with DRAM full of pages on their way to NVMe waits for stores to
 land, at most ``DEMOTION_WAIT_S`` (TP = 1 only). The durable NVMe index is appended to, and
-fsynced about once a second, on this thread (:meth:`NvmeJournal.sync`).
+fsynced about once a second, on this thread (:meth:`NvmeJournal.sync`). A stop
+(:mod:`hiradix.core.graceful_stop`) is agreed in a step like a deadline; from then on nothing new
+starts below DRAM, and :meth:`drain` blocks until the writes in flight landed, at most
+``--hiradix-stop-timeout-s``.
 """
 
 from __future__ import annotations
@@ -37,12 +42,13 @@ import time
 from typing import Any, Callable, Optional
 
 from hiradix.core.deferred_backups import DeferredBackups
+from hiradix.core.graceful_stop import GracefulStop, StopReport
 from hiradix.core.ledger import Kind, TierBooks, Transfer
 from hiradix.core.node import Tier, TreeMatch, TreeNode
 from hiradix.core.placement import DRAM_FREE_LOW, Placement
 from hiradix.core import returns
 from hiradix.core.ports import (ABORTED, FAILED, OK, READ_AT_ADMISSION, READ_BACKGROUND, READ_QUEUED, HostMover,
-                                IOClient, NvmeJournal, RankAgreement, SingleRank)
+                                IOClient, NvmeJournal, RankAgreement, SingleRank, StepVotes)
 from hiradix.core.stats import TierStats
 from hiradix.core.store_reads import StoreReadChoice
 from hiradix.core.store_tier import STORE_RETRY_S, StoreTier
@@ -120,6 +126,7 @@ class TierController:
             cache exists for (bench/RESULTS.md, "Selective write-through").
         store_read: ``--hiradix-store-read`` (:mod:`hiradix.core.store_reads`): ``auto`` reads
             a store hit only while faster than recomputing it (measured here), ``always``, ``never``.
+        stop_timeout_s: ``--hiradix-stop-timeout-s``: how long :meth:`drain` waits for writes in flight.
     """
 
     def __init__(
@@ -140,6 +147,7 @@ class TierController:
         dram_staging: bool = False,
         write_selective: bool = False,
         store_read: str = "always",
+        stop_timeout_s: float = 0.0,
     ):
         self.tree = tree
         self.books = books
@@ -182,6 +190,7 @@ class TierController:
             self.store = StoreTier(tree, books, self.placement, client, store_key_prefix, store_write_policy, clock,
                                    retry_s=store_retry_s, reads=reads)
         self._lookup_found: dict[int, int] = {}  # lookup op id -> pages this rank found (before the choice)
+        self.stop = GracefulStop(stop_timeout_s, clock)  # asked for by a signal handler, drained by drain()
 
     def on_close(self, release: Callable[[], None]) -> None:
         """Call ``release`` when the controller closes (resources the assembly made)."""
@@ -470,9 +479,14 @@ class TierController:
         lookups = self.store.lookups if self.store is not None else {}
         pending = sorted(self.books.pending_ids() + list(lookups) + list(self._unread))
         expired_here = {op for op, t in self._prefetch_deadline_s.items() if t is not None and t <= now}
+        expired_here |= self.stop.expired_here(self.books)  # a stop asked for here: agreed by every rank
         known = set(pending)
-        finished, expired = self.sync.agree(pending, {k: v for k, v in self._local_done.items() if k in known}, expired_here)
+        gave_up = self.client is not None and not alive and self.client.disabled
+        votes = StepVotes(io_gave_up=gave_up, store_retry_due=self.store is not None and self.store.retry_due())
+        finished, expired, votes = self.sync.agree(
+            pending, {k: v for k, v in self._local_done.items() if k in known}, expired_here, votes)
         self._expired |= expired
+        self.stop.note(expired, self.books)
         self._settle_unread()
         for op_id in sorted(finished):
             if op_id in lookups:
@@ -480,16 +494,19 @@ class TierController:
             else:
                 self._apply(op_id, finished[op_id])
         self.deferred_backups.retry(self._open_backup)  # the room the landed demotions made
+        if self.stop.agreed:
+            return  # stopping: no new transfer below DRAM; the caller drains those in flight (drain)
         if self.client is not None:
-            if not alive and self.client.disabled:
-                self.switch_off_nvme("the I/O worker keeps dying")
+            if votes.io_gave_up:  # on every rank in the same step, also where the worker lives
+                reason = "the I/O worker keeps dying" if gave_up else "another TP rank's I/O worker keeps dying"
+                self.switch_off_nvme(reason)
                 if self.store is not None:
-                    self.store.switch_off("the I/O worker keeps dying")
+                    self.store.switch_off(reason)
             self._apply_nvme_switch()
             self._store_last_copies()
             self._persist_prefixes()
             if self.store is not None:
-                self.store.step()
+                self.store.step(retry=votes.store_retry_due)
 
     def _apply(self, op_id: int, outcome: int) -> None:
         """Complete one agreed transfer (``outcome``: OK, ABORTED or FAILED on every rank)."""
@@ -682,6 +699,12 @@ class TierController:
         self.deferred_backups.clear()
         if self.journal is not None:
             self.journal.landed.clear()  # nodes of the old tree (their paths end at the old root)
+
+    def drain(self) -> StopReport:
+        """Stop: let the NVMe and store writes in flight land, at most ``stop_timeout_s`` after the
+        stop was asked for (or from now), recording what landed; logs and returns the report
+        (:mod:`hiradix.core.graceful_stop`). Every TP rank calls it at the same point; idempotent."""
+        return self.stop.drain(self)
 
     def close(self) -> None:
         """Stop the I/O side and release the resources the assembly registered."""

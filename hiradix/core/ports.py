@@ -21,6 +21,7 @@ The model is vLLM's ``v1/kv_offload`` split (``OffloadingManager`` keeps books,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
 
 if TYPE_CHECKING:
@@ -165,15 +166,40 @@ class NvmeJournal(Protocol):
         """Make the records so far durable (may be rate-limited)."""
         ...
 
+    def durable_pages(self, slots: Optional[Sequence[int]] = None) -> Optional[int]:
+        """How many of ``slots`` (None: of all) the durable index lists now (a landed page waits
+        until its parent page is listed); None where this rank keeps no index of its own."""
+        ...
+
+
+@dataclass(frozen=True)
+class StepVotes:
+    """This rank's view of the two switches a rank-local signal flips, which every TP rank must
+    flip in the same step (else their books split and the next agreement refuses).
+
+    Attributes:
+        io_gave_up: this rank's I/O client gave up (its worker kept dying). Agreed if *any* rank's
+            did: every rank then switches NVMe (and the store) off, the rank whose worker lives too.
+        store_retry_due: the store is off and this rank's wait before trying it again is over
+            (:meth:`hiradix.core.store_tier.StoreTier.retry_due`, on this rank's clock). Agreed
+            only if *every* rank's is: the wait is a lower bound, so no rank retries early.
+    """
+
+    io_gave_up: bool = False
+    store_retry_due: bool = False
+
 
 class RankAgreement(Protocol):
-    """Makes every TP rank apply the same asynchronous outcomes in the same step."""
+    """Makes every TP rank apply the same asynchronous outcomes, and flip the same switches, in
+    the same step."""
 
     size: int  # number of ranks
 
-    def agree(self, in_flight: list[int], local: dict[int, int], expired: set[int]) -> tuple[dict[int, int], set[int]]:
-        """``(finished, expired)``: ops finished on every rank with their worst outcome, and ops
-        whose deadline passed on any rank. ``in_flight`` is ascending and equal on all ranks."""
+    def agree(self, in_flight: list[int], local: dict[int, int], expired: set[int],
+              votes: StepVotes = StepVotes()) -> tuple[dict[int, int], set[int], StepVotes]:
+        """``(finished, expired, votes)``: ops finished on every rank with their worst outcome, ops
+        whose deadline passed on any rank, and the agreed :class:`StepVotes`. ``in_flight`` is
+        ascending and equal on all ranks."""
         ...
 
 
@@ -182,5 +208,6 @@ class SingleRank:
 
     size = 1
 
-    def agree(self, in_flight: list[int], local: dict[int, int], expired: set[int]) -> tuple[dict[int, int], set[int]]:
-        return dict(local), set(expired)
+    def agree(self, in_flight: list[int], local: dict[int, int], expired: set[int],
+              votes: StepVotes = StepVotes()) -> tuple[dict[int, int], set[int], StepVotes]:
+        return dict(local), set(expired), votes

@@ -27,7 +27,9 @@ may drop an object at any time, so a store copy is confirmed only by a GET that 
   that failed as a whole) switch the tier off, with
   one warning: its records are forgotten and nothing is sent to the store until it is tried
   again ``STORE_RETRY_S`` later (doubling up to ``STORE_RETRY_MAX_S`` while it keeps failing;
-  those retries are logged at info level, and one warning says when it works again).
+  those retries are logged at info level, and one warning says when it works again). Under TP
+  the retry happens in the step in which every rank's wait is over (each rank reads its own
+  clock; :class:`~hiradix.core.ports.StepVotes`), so the ranks' books never split on it.
 
 Keys are :mod:`hiradix.core.keys` content addresses: ``key_prefix`` (the KV fingerprint) + the
 page hash, so a different model, page size or TP shard never reuses a key and requests with
@@ -295,9 +297,15 @@ class StoreTier:
                            reason, forgotten, self._retry_wait_s)
             self._warned = True
 
-    def step(self) -> None:
-        """Per step: share what is queued; try a switched-off store again when its wait is over."""
-        if not self.enabled and self._retry_at_s is not None and self.clock() >= self._retry_at_s:
+    def retry_due(self) -> bool:
+        """Whether the store is off and the wait before trying it again is over on this rank's
+        clock (under TP the ranks agree on it before :meth:`step` acts on it)."""
+        return not self.enabled and self._retry_at_s is not None and self.clock() >= self._retry_at_s
+
+    def step(self, retry: bool) -> None:
+        """Per step: try a switched-off store again if ``retry`` (:meth:`retry_due`, as every TP
+        rank agreed: the same step on every rank); share what is queued."""
+        if retry and not self.enabled:
             logger.info("hiradix: trying the cluster store again (off since: %s)", self.off_reason)
             self.off_reason, self._retry_at_s = None, None
             self._failures_in_row = dict.fromkeys(self._failures_in_row, 0)

@@ -5,7 +5,8 @@ The switch values are listed in :mod:`hiradix.io.worker`'s docstring. This modul
 owned by the worker process):
 
 * crashes are a real ``os._exit`` of the worker (the client sees a dead process);
-* delays hold the job in the worker's thread before it touches the disk (a slow disk);
+* delays hold the job in the worker's thread before it touches the disk (a slow disk), and so
+  does a hold file: a store job waits while the file exists (a write held until a test releases it);
 * ENOSPC, short reads and corrupted bytes come from :class:`FaultyFile`, which replaces the
   store's block-I/O object (``NvmeStore.wrap_file``), so ``NvmeStore``'s own error handling
   and trailer verification see them exactly as they would see a failing disk;
@@ -37,6 +38,7 @@ FAULTS_ENV = "HIRADIX_FAULTS"
 FAULT_EXIT_CODE = 86  # exit status of a crash injected by the fault switch
 CRASH_LOG_NAME = "fault-crashes"  # in the worker's socket_dir: one line per injected crash
 TRUNCATE_ALIGN = 4096  # truncation keeps a multiple of this many bytes (O_DIRECT-friendly)
+HOLD_POLL_S = 0.05  # how often a held store job looks at its hold file, in seconds
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ class Faults:
             flipped before verification; 0 = never.
         truncate_on_job: Truncate ``nvme.kv`` when this job arrives, before it runs; 0 = never.
         truncate_keep: Fraction of the file's size that truncation keeps, in ``[0, 1)``.
+        store_hold_path: While this file exists, every store job waits before touching the disk
+            (checked every ``HOLD_POLL_S``); "" = never. A path without commas.
         only_rank: The faults apply to the worker of this TP rank only (a rank whose I/O is
             slower than the others'); -1 (default) = every rank.
     """
@@ -74,6 +78,7 @@ class Faults:
     corrupt_read: int = 0
     truncate_on_job: int = 0
     truncate_keep: float = 0.5
+    store_hold_path: str = ""
     only_rank: int = -1
 
     def for_rank(self, tp_rank: int) -> Faults:
@@ -87,8 +92,9 @@ class Faults:
         Raises:
             ValueError: An unknown key, a missing ``=`` or a value of the wrong type or range.
         """
-        kinds = {f.name: int if f.type in (int, "int") else float for f in fields(cls)}
-        values: dict[str, float] = {}
+        kinds = {f.name: {"int": int, "str": str}.get(str(getattr(f.type, "__name__", f.type)), float)
+                 for f in fields(cls)}
+        values: dict[str, float | str] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, raw = item.partition("=")
             if not sep or key not in kinds:
@@ -97,7 +103,7 @@ class Faults:
                 value = kinds[key](raw)
             except ValueError:
                 raise ValueError(f"{FAULTS_ENV}: {key} needs a {kinds[key].__name__}, got {raw!r}") from None
-            if value < 0 or (key == "truncate_keep" and value >= 1):
+            if kinds[key] is not str and (value < 0 or (key == "truncate_keep" and value >= 1)):
                 raise ValueError(f"{FAULTS_ENV}: {key} out of range, got {raw!r}")
             values[key] = value
         return cls(**values)  # type: ignore[arg-type]
@@ -128,6 +134,7 @@ class JobPlan:
         enospc: Writes fail with ENOSPC.
         short_reads: Reads return half the bytes asked for.
         corrupt_reads: Reads get one payload byte flipped.
+        hold_path: Wait while this file exists before touching the disk ("" = no hold).
     """
 
     ordinal: int
@@ -136,6 +143,7 @@ class JobPlan:
     enospc: bool = False
     short_reads: bool = False
     corrupt_reads: bool = False
+    hold_path: str = ""
 
 
 def _from_nth(start: int, ordinal: int) -> bool:
@@ -248,7 +256,16 @@ class FaultInjector:
             enospc=not load and _from_nth(f.enospc_on_store, n_kind),
             short_reads=load and _from_nth(f.short_read, n_kind),
             corrupt_reads=load and _from_nth(f.corrupt_read, n_kind),
+            hold_path="" if load else f.store_hold_path,
         )
+
+    @staticmethod
+    def hold(plan: JobPlan, stop: threading.Event) -> bool:
+        """Wait while ``plan.hold_path`` exists; False if ``stop`` was set meanwhile (the job fails)."""
+        while plan.hold_path and os.path.exists(plan.hold_path):
+            if stop.wait(HOLD_POLL_S):
+                return False
+        return True
 
     @contextmanager
     def armed(self, job: Job, plan: JobPlan) -> Iterator[None]:

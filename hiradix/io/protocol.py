@@ -328,6 +328,9 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
         cold_tiers: The tiers holding pages in ``cold_format`` (``"dram"``, ``"nvme"``, ``"store"``);
             empty: every tier holds the DRAM page's bytes as they are. With ``"dram"`` the DRAM
             pages are encoded already and move as they are (:mod:`hiradix.io.cold_pages`).
+        stop_timeout_s: ``--hiradix-stop-timeout-s``: > 0, a SIGTERM does not stop the worker: it
+            goes on serving (its scheduler drains the writes in flight, then sends Shutdown) and
+            exits ``STOP_MARGIN_S`` past this many seconds without one; 0, SIGTERM ends it at once.
     """
 
     dram_path: str
@@ -348,6 +351,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     store_writer: bool = True
     cold_format: str = "exact"
     cold_tiers: tuple[str, ...] = ()
+    stop_timeout_s: float = 0.0
 
     def to_json(self) -> str:
         """Serialize to a JSON string (the worker's ``--spec`` argument)."""

@@ -19,7 +19,10 @@ drop the wedged client and anything it might still write into DRAM; the I/O clie
 the worker's jobs (the core releases their pages) and starts a fresh one. It validates every
 message: a malformed one is answered with ``Rejected`` and the loop goes on. It exits on
 ``Shutdown`` (running jobs finish; queued ones fail) or when ``spec.parent_pid`` is no longer
-its parent (checked every ``PARENT_POLL_S``); SIGINT is ignored (the parent decides).
+its parent (checked every ``PARENT_POLL_S``); SIGINT is ignored (the parent decides). With
+``spec.stop_timeout_s`` > 0, SIGTERM (a server stopped as a whole process group) does not end it
+either: its scheduler drains the writes in flight (``hiradix.core.graceful_stop``), which needs
+their answers, then sends ``Shutdown``; it exits anyway ``STOP_MARGIN_S`` after that bound.
 
 Fault switch (tests only; off unless the env var is set), ``HIRADIX_FAULTS`` holds
 comma-separated ``key=value`` items, parsed once at start by :meth:`Faults.from_env` and
@@ -36,6 +39,8 @@ reads the same switch):
                       Shutdown cuts the wait short and the job fails
     load_delay_s=X    the same, for loads only: a read that lands late or never
     store_delay_s=X   the same, for stores only: a slow write
+    store_hold_path=P every store job waits while the file P exists (a write held until the
+                      test removes P); Shutdown cuts the wait short and the job fails
     enospc_on_store=N the N-th store job and every later one: each write raises
                       OSError(ENOSPC) in the store's file layer (nothing written; the
                       store's own error path turns it into failed pages)
@@ -111,6 +116,7 @@ ACK_LINGER_S = 2.0  # how long queued replies may take to leave at exit, in seco
 STORE_CALL_LIMIT_MIN_S = 10.0  # the derived store call limit is at least this, in seconds
 STORE_CALL_LIMIT_FACTOR = 4.0  # ... and at least this many times the backend's call_deadline_s
 COLD_CHUNK_PAGES = 32  # pages a compressed tier encodes or decodes per step (scratch per thread)
+STOP_MARGIN_S = 5.0  # after SIGTERM, the worker waits this long past spec.stop_timeout_s for Shutdown
 
 
 class Worker:
@@ -174,6 +180,13 @@ class Worker:
         self.stop = threading.Event()  # set by Shutdown: cuts fault delays short
         self.lock = threading.Lock()  # guards in_flight
         self.in_flight: set[int] = set()  # job ids taken in and not yet answered
+        self.term_deadline_s: float | None = None  # set by SIGTERM (note_sigterm): exit then at the latest
+
+    def note_sigterm(self, *_: object) -> None:
+        """SIGTERM handler (``spec.stop_timeout_s`` > 0): keep serving while the scheduler drains,
+        until its Shutdown, at most ``stop_timeout_s + STOP_MARGIN_S`` from now."""
+        if self.term_deadline_s is None:
+            self.term_deadline_s = time.monotonic() + self.spec.stop_timeout_s + STOP_MARGIN_S
 
     # ---- main loop ---------------------------------------------------------------------------
 
@@ -192,6 +205,10 @@ class Worker:
                 return 1
             if self._store_wedged():
                 return WEDGED_STORE_EXIT_CODE
+            if self.term_deadline_s is not None and time.monotonic() >= self.term_deadline_s:
+                logger.warning("SIGTERM %.0f s ago and no Shutdown from the scheduler; exiting",
+                               self.spec.stop_timeout_s + STOP_MARGIN_S)
+                return 0
             if not poller.poll(int(PARENT_POLL_S * 1000)):
                 continue
             while True:
@@ -248,7 +265,7 @@ class Worker:
         never an exception."""
         start_s = time.monotonic()
         n = job_pages(job)
-        if plan.delay_s and self.stop.wait(plan.delay_s):
+        if (plan.delay_s and self.stop.wait(plan.delay_s)) or not self.faults.hold(plan, self.stop):
             return JobDone(job_id=job.job_id, ok=[False] * n, error="cancelled: shutdown")
         try:
             views = [self.pool.page_view(p) for p in job.dram_pages]
@@ -373,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         replies.put(StartFailed(reason=f"{type(exc).__name__}: {exc}"))
         replies.close(linger_s=ACK_LINGER_S)
         return 1
+    if worker.spec.stop_timeout_s > 0:
+        signal.signal(signal.SIGTERM, worker.note_sigterm)
     replies.put(Ready(pid=os.getpid()))
     status = worker.serve()
     if status == WEDGED_STORE_EXIT_CODE:

@@ -17,6 +17,9 @@ Write order is what makes the journal safe to trust after a crash: a slot is fre
 journal (:meth:`NvmeIndex.invalidate`, an ``os.write`` before the store job is even sent)
 before new bytes go into it, and put (:meth:`NvmeIndex.record`) only after the write
 landed and verified. A crash in between leaves the slot free, never pointing at other bytes.
+The journal is also closed under ancestors at every moment: a page whose parent page is not
+listed yet (its write landed first) waits in memory, and is put right after its parent, so a
+stop or a crash at any point leaves no orphan for the restart to drop (a waiting page is lost).
 The slot's own xxh3 trailer (:mod:`hiradix.tiers.nvme`) still guards every read. The journal
 is fsynced at :meth:`NvmeIndex.sync` (periodically) and :meth:`close`, so a power loss costs
 at most the latest records, never correctness. It is compacted (live records only) at start and,
@@ -41,6 +44,7 @@ import os
 import struct
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -99,6 +103,11 @@ class Page:
     namespace: Optional[tuple]
     parent_hash: bytes
     hash: bytes
+
+
+def _hash(put: Put) -> bytes:
+    """The page hash of a listed ``Put`` (its chain hash: parent, namespace, tokens)."""
+    return page_hash(put.parent_hash, tuple(put.namespace) if put.namespace is not None else None, put.tokens)
 
 
 def _frame(record: Record) -> bytes:
@@ -170,7 +179,8 @@ class NvmeIndex:
 
     Build with :meth:`open`. Not thread-safe: one owner (the scheduler's tier controller),
     which calls :meth:`sync` every step. The journal is compacted at open and, in a background
-    thread, whenever it grows to ``COMPACT_GROWTH`` times its compacted size.
+    thread, whenever it grows to ``COMPACT_GROWTH`` times its compacted size. A recorded page
+    whose parent page is not listed waits (:attr:`waiting_pages`) until its parent is recorded.
 
     Attributes:
         path: the journal file.
@@ -185,6 +195,10 @@ class NvmeIndex:
         self.reused = reused
         self._fingerprint = dict(fingerprint)
         self._live = live  # slot -> its Put, as the journal says now
+        self._hash_of: dict[int, bytes] = {slot: _hash(put) for slot, put in live.items()}  # listed slot -> page hash
+        self._listed: Counter[bytes] = Counter(self._hash_of.values())  # page hash -> listed slots holding it
+        self._waiting: dict[int, tuple[bytes, Put]] = {}  # slot -> (page hash, Put) until its parent is listed
+        self._waiting_on: dict[bytes, set[int]] = {}  # parent page hash -> waiting slots
         self._dirty = False
         self._last_sync_s = time.monotonic()
         self.size_bytes = size_bytes  # of the journal file
@@ -247,28 +261,78 @@ class NvmeIndex:
             self._tail.append(frame)
         self._dirty = True
 
+    @property
+    def num_pages(self) -> int:
+        """Pages the journal lists now (a restart re-indexes these)."""
+        return len(self._live)
+
+    @property
+    def waiting_pages(self) -> int:
+        """Pages recorded whose parent page is not listed yet (lost if the server stops now)."""
+        return len(self._waiting)
+
+    def listed(self, slots: Sequence[int]) -> int:
+        """How many of ``slots`` the journal lists now."""
+        return sum(int(s) in self._live for s in slots)
+
     def invalidate(self, slots: Sequence[int]) -> None:
         """Record that ``slots`` hold nothing valid (before they are rewritten or after a free)."""
         if slots and self._fd >= 0:
             for slot in slots:
-                self._live.pop(int(slot), None)
+                self._forget(int(slot))
             self._append(Free([int(s) for s in slots]))
 
     def record(self, slots: Sequence[int], parent_hash: bytes, pages: Sequence[Sequence[int]],
                namespace: Optional[Sequence]) -> bytes:
         """Record that ``slots[i]`` holds ``pages[i]``, a chain that follows ``parent_hash``.
 
+        A page is put in the journal once its parent page is listed (a prefix's first page at
+        once); until then it waits, and it is put right after its parent is.
+
         Returns:
             The hash of the last page (the parent of what follows).
         """
         ns = list(namespace) if namespace is not None else None
         for slot, tokens in zip(slots, pages):
-            if self._fd >= 0:
-                put = Put(int(slot), parent_hash, [int(t) for t in tokens], ns)
-                self._live[put.slot] = put
-                self._append(put)
+            put = Put(int(slot), parent_hash, [int(t) for t in tokens], ns)
             parent_hash = page_hash(parent_hash, ns, tokens)
+            if self._fd < 0:
+                continue
+            self._forget(put.slot)
+            if put.parent_hash and not self._listed[put.parent_hash]:
+                self._waiting[put.slot] = (parent_hash, put)
+                self._waiting_on.setdefault(put.parent_hash, set()).add(put.slot)
+            else:
+                self._list(put, parent_hash)
         return parent_hash
+
+    def _list(self, put: Put, digest: bytes) -> None:
+        """Put ``put`` (page hash ``digest``) in the journal, then the pages that waited for it."""
+        todo = [(put, digest)]
+        while todo:
+            put, digest = todo.pop()
+            self._live[put.slot] = put
+            self._hash_of[put.slot] = digest
+            self._listed[digest] += 1
+            self._append(put)
+            for slot in sorted(self._waiting_on.pop(digest, ())):
+                child_digest, child = self._waiting.pop(slot)
+                todo.append((child, child_digest))
+
+    def _forget(self, slot: int) -> None:
+        """``slot`` no longer holds its listed or waiting page (in memory; the caller journals it)."""
+        self._live.pop(slot, None)
+        digest = self._hash_of.pop(slot, None)
+        if digest is not None:
+            self._listed[digest] -= 1
+            if not self._listed[digest]:
+                del self._listed[digest]
+        waiting = self._waiting.pop(slot, None)
+        if waiting is not None:
+            siblings = self._waiting_on.get(waiting[1].parent_hash)
+            siblings.discard(slot)
+            if not siblings:
+                del self._waiting_on[waiting[1].parent_hash]
 
     def sync(self, min_interval_s: float = 1.0) -> None:
         """Per scheduler step: fdatasync the journal if it changed and ``min_interval_s``

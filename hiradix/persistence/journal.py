@@ -46,6 +46,11 @@ class IndexJournal:
     def sync(self) -> None:
         self.index.sync()
 
+    def durable_pages(self, slots: Optional[Sequence[int]] = None) -> Optional[int]:
+        """How many of ``slots`` (None: of all slots) the durable index lists now; a landed page
+        whose parent page is not listed yet is not (:meth:`NvmeIndex.record`)."""
+        return self.index.num_pages if slots is None else self.index.listed(slots)
+
     def stored(self, node: TreeNode, slots: Sequence[int]) -> None:
         pages = self._pages(node)
         node.chain_hash = self.index.record(slots, self._parent_hash(node), pages, node.namespace)

@@ -93,6 +93,7 @@ def start_worker(dram: DramPool, nvme_dir: Optional[Path], nvme_slots: int, shm_
         cold_format=getattr(config, "cold_format", "exact"),
         # an exact pool under a DRAM cold tier (the PD decode side's staging): the worker encodes
         cold_tiers=tuple(t for t in cold_tiers_of(config) if t != "dram" or dram.encoded),
+        stop_timeout_s=float(getattr(config, "stop_timeout_s", 0.0)),
     )
     client = IOWorkerClient(spec)
     client.start()
@@ -298,7 +299,8 @@ def build_tiers(
                            sync=RankSync(tp_group) if multi_rank else None, journal=journal,
                            store_key_prefix=key_prefix, store_write_policy=config.store_write_policy,
                            store_retry_s=store_retry_s, dram_staging=config.dram_mode == "staging",
-                           store_read=config.store_read)
+                           store_read=config.store_read,
+                           stop_timeout_s=float(getattr(config, "stop_timeout_s", 0.0)))
     # Host bytes this process reserves (the metrics' sglang:hiradix_reserved_bytes): 0 on a rank
     # that uses the owner's copy.
     tiers.reserved_bytes = ((dram.dram_bytes, nvme_slots * slot_bytes_for(tier_page_bytes(config, layout, "nvme")))

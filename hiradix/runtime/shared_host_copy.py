@@ -183,3 +183,6 @@ class ReplicaJournal:
 
     def sync(self) -> None:
         pass
+
+    def durable_pages(self, slots: Optional[Sequence[int]] = None) -> Optional[int]:
+        return None  # the owner's index says

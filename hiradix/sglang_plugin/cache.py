@@ -140,6 +140,7 @@ class TieredRadixCache(BasePrefixCache):
             on_evict=self.update_eviction_metrics,
         )
         self.overflow = None  # hiradix.sglang_plugin.overflow.ContextOverflow (--hiradix-context-overflow)
+        self.stop_signal = None  # hiradix.sglang_plugin.stop.SchedulerStop (SIGTERM drains the tier writes)
         self.tier_metrics = None
         if params.enable_metrics:
             self.init_metrics_collector()
@@ -181,8 +182,11 @@ class TieredRadixCache(BasePrefixCache):
         self.core.reset()
 
     def release_host_resources(self) -> None:
-        """Stop the I/O worker and remove the shared-memory files (graceful shutdown)."""
+        """Graceful shutdown: let the NVMe and store writes in flight land (at most
+        ``--hiradix-stop-timeout-s``; every TP rank is here in the same step), then stop the I/O
+        worker and remove the shared-memory files."""
         if self.tiers is not None:
+            self.tiers.drain()
             self.tiers.close()
             self.tiers = None
             self.core.tiers = None
@@ -386,4 +390,7 @@ def create_hiradix_cache(ctx: TreeCacheBuildContext) -> TieredRadixCache:
     if cache.loader is not None:
         kv_pool.register_layer_transfer_counter(cache.loader)
         ctx.tp_worker.register_hicache_layer_transfer_counter(cache.loader)
+    from hiradix.sglang_plugin.stop import install_scheduler_stop
+
+    cache.stop_signal = install_scheduler_stop(cache, config.stop_timeout_s)
     return cache

@@ -8,6 +8,8 @@ selects `--radix-cache-backend hiradix` (not on a PD decode server, which keeps 
 hiradix turns on the decode-side offload, `hiradix.sglang_plugin.decode_side`, and needs a cluster
 store), defaults `--page-size` to 16, turns on
 `--enable-cache-report` and `--enable-metrics` (hiradix's hit details and metrics need them),
+installs the launcher's stop hooks when tiers below DRAM may have writes to drain at a stop
+(`hiradix.sglang_plugin.stop`, `--hiradix-stop-timeout-s`),
 stashes the config as `server_args._hiradix_config` (bookkeeping attributes ride the pickled
 record to the spawned schedulers) and exports it as `HIRADIX_CONFIG` (JSON fallback); `after_resolve_once` re-checks what SGLang's own resolution
 decided. Without `--enable-hiradix` they change nothing, except refusing a `--hiradix-*` flag
@@ -71,6 +73,12 @@ class _EnableHiRadixAction(argparse._StoreTrueAction):
         if self.problem:
             refuse(f"--enable-hiradix: {self.problem}")
         setattr(namespace, self.dest, True)
+
+
+
+# The launcher hooks --hiradix-context-overflow needs (let long prompts through; report cuts in OpenAI answers).
+OVERFLOW_LAUNCHER_HOOKS = tuple(s for s in hooks.HOOKS if s.scope is hooks.Scope.LAUNCHER and s.hook.split(":")[0] in (
+    "hiradix.sglang_plugin.overflow", "hiradix.sglang_plugin.openai_cut"))
 
 
 def after_add_cli_args(result: None, parser: argparse.ArgumentParser) -> None:
@@ -178,9 +186,16 @@ def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -
                f"{kv_dtype} is already quantized: use --hiradix-cold-format exact")
     if config.context_overflow != "off":
         refuse_context_overflow_with_pd(result)
-        problem = hooks.install_launcher()
+        problem = hooks.install_launcher(OVERFLOW_LAUNCHER_HOOKS)
         if problem:
             refuse(f"--hiradix-context-overflow {config.context_overflow}: {problem}")
+    if config.stop_timeout_s > 0 and (config.has_nvme_tier or config.has_store_tier) and not decode_side:
+        from hiradix.sglang_plugin.stop import LAUNCHER_HOOKS  # a stopping launcher waits for the drain
+
+        problem = hooks.install_launcher(LAUNCHER_HOOKS)
+        if problem:
+            refuse(f"--hiradix-stop-timeout-s {config.stop_timeout_s:g}: {problem} (--hiradix-stop-timeout-s 0 "
+                   "stops without waiting for the tier writes in flight)")
 
     setattr(result, CONFIG_ATTR, config)
     if not decode_side:  # a decode server keeps no radix cache: the decode-side offload runs instead

@@ -31,7 +31,10 @@ To add a scheduler hook, append a `HookSpec` to `HOOKS`, e.g.::
 
 - `Scope.LAUNCHER`: the launcher (tokenizer manager) process only, and only when a flag needs it:
   `install_launcher()` registers and applies them from the `from_cli_args` hook, after SGLang
-  applied the plugins' hooks (e.g. `--hiradix-context-overflow` lets long prompts through).
+  applied the plugins' hooks (e.g. `--hiradix-context-overflow` lets long prompts through and
+  reports its cuts in OpenAI answers; `--hiradix-stop-timeout-s` keeps a stopping launcher from
+  killing the schedulers that drain their tier writes, `hiradix.sglang_plugin.stop`).
+  `install_launcher(specs)` installs only the specs given.
 
 The hook function is imported only in processes where its scope applies.
 """
@@ -87,6 +90,7 @@ class HookSpec:
 
 
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+_OPENAI = "sglang.srt.entrypoints.openai"
 
 HOOKS: tuple[HookSpec, ...] = (
     HookSpec(
@@ -182,6 +186,57 @@ HOOKS: tuple[HookSpec, ...] = (
         hook_type="around",
         scope=Scope.LAUNCHER,
         purpose="let a prompt longer than the context reach the scheduler, which cuts it (--hiradix-context-overflow)",
+    ),
+    HookSpec(
+        target=f"{_OPENAI}.utils.cached_tokens_details_from_dict",
+        hook="hiradix.sglang_plugin.openai_cut:around_cached_tokens_details_from_dict",
+        hook_type="around",
+        scope=Scope.LAUNCHER,
+        purpose="keep a cut's context_truncated_tokens / context_shifted_tokens in OpenAI answers' cache details",
+    ),
+    HookSpec(
+        target=f"{_OPENAI}.utils.process_cached_tokens_details_from_ret",
+        hook="hiradix.sglang_plugin.openai_cut:after_process_cached_tokens_details_from_ret",
+        hook_type="after",
+        scope=Scope.LAUNCHER,
+        purpose="report a cut in a non-streamed OpenAI answer whose client did not ask for cache details",
+    ),
+    *(
+        HookSpec(
+            target=f"{_OPENAI}.{target}",
+            hook="hiradix.sglang_plugin.openai_cut:around_generate_stream",
+            hook_type="around",
+            scope=Scope.LAUNCHER,
+            purpose="report a cut in a streamed OpenAI answer whose client did not ask for cache details",
+        )
+        for target in ("serving_chat.OpenAIServingChat._generate_chat_stream",
+                       "serving_completions.OpenAIServingCompletion._generate_completion_stream")
+    ),
+    *(
+        HookSpec(
+            target=f"{_OPENAI}.protocol.{answer}.model_dump_json",
+            hook="hiradix.sglang_plugin.openai_cut:around_model_dump_json",
+            hook_type="around",
+            scope=Scope.LAUNCHER,
+            purpose="write a cut's keys in an OpenAI answer (SglExt declares SGLang's CachedTokensDetails)",
+        )
+        for answer in ("ChatCompletionResponse", "ChatCompletionStreamResponse", "CompletionResponse",
+                       "CompletionStreamResponse")
+    ),
+    HookSpec(
+        target="sglang.srt.managers.tokenizer_manager.SignalHandler.sigterm_handler",
+        hook="hiradix.sglang_plugin.stop:after_sigterm_handler",
+        hook_type="after",
+        scope=Scope.LAUNCHER,
+        purpose="note that the launcher stops on SIGTERM (--hiradix-stop-timeout-s)",
+    ),
+    HookSpec(
+        target="sglang.srt.utils.watchdog.SubprocessWatchdog._check_processes",
+        hook="hiradix.sglang_plugin.stop:around_check_processes",
+        hook_type="around",
+        scope=Scope.LAUNCHER,
+        purpose="while the server stops on SIGTERM, wait for the schedulers draining their tier writes "
+        "instead of killing them (--hiradix-stop-timeout-s)",
     ),
     HookSpec(
         target="sglang.srt.managers.tp_worker.TpModelWorker.get_worker_info",

@@ -7,15 +7,18 @@ Three seams of SGLang 0.5.23, all inactive unless the flag is ``shift``, ``recom
   (``TokenizerManager._validate_one_request`` would answer HTTP 400);
 * the scheduler cuts it when the request arrives (``Scheduler.init_req_max_new_tokens``, before
   SGLang's own length check): ``tokens[:keep] + tokens[keep + drop:]``
-  (:func:`hiradix.core.context_overflow.plan_truncation`), reusing an earlier cut of the same
-  conversation while it still fits, so the conversation keeps one truncated history;
+  (:func:`hiradix.core.context_overflow.plan_truncation`; ``keep`` by default the part shared with
+  other conversations, :mod:`hiradix.core.kept_head`, for which every prompt is remembered),
+  reusing an earlier cut of the same conversation while it still fits, so the conversation keeps
+  one truncated history;
 * the prefix match (:meth:`ContextOverflow.reuse`, from the cache's ``match_prefix``) copies the
   kept tail's cached KV from where the tree holds it (:mod:`hiradix.core.context_shift`) into new
   device slots, re-rotated by the positions it moved (:mod:`hiradix.dataplane.rope_shift`), and
   inserts it as a branch of its own; only what no source holds in HBM is prefilled.
 
 Per request, ``cached_tokens_details`` (``return_cached_tokens_details``) gains
-``context_truncated_tokens`` and ``context_shifted_tokens``; the server counts them in
+``context_truncated_tokens`` and ``context_shifted_tokens`` (in OpenAI answers too:
+:mod:`hiradix.sglang_plugin.openai_cut`); the server counts them in
 ``sglang:hiradix_context_truncated_tokens_total`` / ``sglang:hiradix_shifted_tokens_total``.
 """
 
@@ -29,7 +32,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from hiradix.core.context_overflow import PromptTooLong, Truncation, plan_truncation
-from hiradix.core.context_shift import ReusePlan, plan_moved, plan_shift, shared_head_tokens, shift_sources
+from hiradix.core.context_shift import ReusePlan, plan_moved, plan_shift, shift_sources
+from hiradix.core.kept_head import KeptHead, PromptEnds, shared_head
 from hiradix.core.page_index import PageContentIndex
 from hiradix.core.node import Tier
 from hiradix.dataplane.rope_shift import RopeShift, ShiftUnsupported, rope_shift_from_config, shift_slots
@@ -88,7 +92,8 @@ class ContextOverflow:
         kv_pool: SGLang's device KV pool (``k_buffer``/``v_buffer`` per layer, or MLA ``kv_buffer``).
         mode: ``shift``, ``recompute`` or ``noshift`` (after :func:`resolve_mode`).
         rope: the model's shift (None unless ``shift``/``noshift``).
-        keep_tokens: leading tokens kept; -1 = :func:`shared_head_tokens`.
+        keep_tokens: leading tokens kept; -1 = the part shared with other conversations, else the
+            first page (:mod:`hiradix.core.kept_head`).
         drop_ratio: share of the rest dropped by a new cut.
     """
 
@@ -98,7 +103,9 @@ class ContextOverflow:
         self.keep_tokens, self.drop_ratio = keep_tokens, drop_ratio
         self.counts = {"cut_requests": 0, "truncated_tokens": 0, "shifted_tokens": 0, "too_long": 0,
                        "moved_requests": 0, "promoted_tokens": 0}
-        self._logged = False
+        self._logged: set[str] = set()  # kinds of head whose first cut was logged at INFO
+        # where earlier prompts ended: the default head is what other conversations share
+        self.prompt_ends = PromptEnds(cache.page_size) if keep_tokens < 0 else None
         if mode in ("shift", "noshift"):  # runs a client moved are found by content
             cache.tree.page_index = PageContentIndex(cache.page_size)
             for node in cache.tree.iter_nodes():
@@ -107,24 +114,31 @@ class ContextOverflow:
     # ------------------------------------------------------------ arrival
     def cut(self, req: Any, context_tokens: int, max_prompt_tokens: int) -> Optional[Truncation]:
         """Cut ``req.origin_input_ids`` in place if it overflows; None when it fits, or when no cut
-        leaves room for its new tokens (the request is then refused: HTTP 400, as stock)."""
+        leaves room for its new tokens (the request is then refused: HTTP 400, as stock). Every
+        prompt is remembered (:class:`PromptEnds`, with the default head) whether cut or not."""
         if getattr(req, "multimodal_inputs", None) is not None or getattr(req, "input_embeds", None) is not None:
             return None
-        tokens = list(req.origin_input_ids)
+        from hiradix.sglang_plugin.cache import namespace_of_req  # the cache module imports this one
+
+        tokens, namespace = list(req.origin_input_ids), namespace_of_req(req)
+        try:
+            return self._cut(req, tokens, namespace, context_tokens, max_prompt_tokens)
+        finally:
+            if self.prompt_ends is not None:
+                self.prompt_ends.add(tokens, namespace)
+
+    def _cut(self, req: Any, tokens: list[int], namespace: Optional[tuple], context_tokens: int,
+             max_prompt_tokens: int) -> Optional[Truncation]:
         requested = req.sampling_params.max_new_tokens
         reserve = max(1, requested if requested is not None else 1)
         context = min(context_tokens, max_prompt_tokens + reserve)
         if len(tokens) + reserve <= context:
             return None
-        from hiradix.sglang_plugin.cache import namespace_of_req  # the cache module imports this one
-
-        namespace = namespace_of_req(req)
-        tree, ps = self.cache.tree, self.cache.page_size
-        keep = self.keep_tokens if self.keep_tokens >= 0 else shared_head_tokens(tree, tokens, namespace)
-        cut = self._earlier_cut(tokens, keep, namespace, reserve, context)
+        head = self.head(tokens, namespace)
+        cut = self._earlier_cut(tokens, head.tokens, namespace, reserve, context)
         if cut is None:
             try:
-                cut = plan_truncation(len(tokens), reserve, context, keep, self.drop_ratio, ps)
+                cut = plan_truncation(len(tokens), reserve, context, head.tokens, self.drop_ratio, self.cache.page_size)
             except PromptTooLong as e:
                 # Refused as stock SGLang refuses it (HTTP 400), not answered with fewer new tokens
                 # than asked: the launcher hook let it past the tokenizer manager's total check.
@@ -139,12 +153,33 @@ class ContextOverflow:
         req.hiradix_cut = CutRecord(cut, tokens, namespace, pending=self.mode in ("shift", "noshift"))
         self.counts["cut_requests"] += 1
         self.counts["truncated_tokens"] += cut.drop_tokens
-        if not self._logged:
-            self._logged = True
-            logger.info("hiradix: context overflow (%s): first cut: a prompt of %d tokens keeps %d + %d, drops %d "
-                        "(context %d tokens, %d new)", self.mode, len(tokens), cut.keep_tokens,
-                        cut.kept_tokens - cut.keep_tokens, cut.drop_tokens, context_tokens, reserve)
+        self._log_cut(cut, head, context_tokens, reserve)
         return cut
+
+    def head(self, tokens: Sequence[int], namespace: Optional[tuple]) -> KeptHead:
+        """The head a cut of ``tokens`` keeps: ``--hiradix-keep-tokens``, or by default the part
+        shared with other conversations (:func:`hiradix.core.kept_head.shared_head`)."""
+        if self.prompt_ends is None:
+            return KeptHead(self.keep_tokens // self.cache.page_size * self.cache.page_size, shared=False)
+        own_from = self.prompt_ends.first_end(tokens, namespace)
+        return shared_head(self.cache.tree, tokens, namespace, own_from)
+
+    def _log_cut(self, cut: Truncation, head: KeptHead, context_tokens: int, reserve: int) -> None:
+        """The first cut of each kind of head at INFO (what it keeps and why), the others at DEBUG."""
+        if self.prompt_ends is None:
+            kind, why = "flag", f"the kept head is --hiradix-keep-tokens {self.keep_tokens}"
+        elif head.shared:
+            kind, why = "shared", "the kept head is the part shared with other conversations"
+        else:
+            kind, why = "first", ("no part of it is shared with other conversations: the kept head is its first "
+                                  "page, as llama.cpp's n_keep")
+        if cut.keep_tokens != head.tokens:
+            why += f", but its {head.tokens} tokens left no room: none kept"
+        level = logging.DEBUG if kind in self._logged else logging.INFO
+        self._logged.add(kind)
+        logger.log(level, "hiradix: context overflow (%s): a prompt of %d tokens keeps %d + %d, drops %d (context %d "
+                   "tokens, %d new); %s", self.mode, cut.prompt_tokens, cut.keep_tokens,
+                   cut.kept_tokens - cut.keep_tokens, cut.drop_tokens, context_tokens, reserve, why)
 
     def _earlier_cut(self, tokens: list[int], keep: int, namespace: Optional[tuple], reserve: int,
                      context: int) -> Optional[Truncation]:

@@ -25,6 +25,8 @@ def after_process_hicache_events(result: Any, scheduler: Any, *args: Any, **kwar
     cache = _hiradix_cache(scheduler.tree_cache)
     if cache is not None:
         cache.check_hicache_events()
+        if cache.stop_signal is not None and cache.stop_signal.after_step():
+            return None  # a stop agreed in this step: drained, closed, the process ends
         # The chunked request's next chunks run before anything queued: position 0. Requests
         # in the running batch hold locks on their prefixes, which is stronger protection.
         chunked = getattr(scheduler, "chunked_req", None)

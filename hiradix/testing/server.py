@@ -16,7 +16,9 @@ What it does:
       has run) and raises `ServerStartError` with the tail of the log if the process
       exits first or the timeout passes;
     * on exit, also after an exception, sends SIGTERM to the process group, waits a grace
-      period, then SIGKILLs the group and every descendant that is still alive (by PID).
+      period, then SIGKILLs the group and every descendant that is still alive (by PID). The
+      grace period (15 s) outlasts hiradix's default `--hiradix-stop-timeout-s` (10 s), for
+      which a scheduler with NVMe or store writes in flight may let them land before it ends.
 
 Nothing is hidden: the CPU settings this machine needs are the explicit helpers
 `cpu_args(max_total_tokens)` and `cpu_env()`; pass them in yourself.

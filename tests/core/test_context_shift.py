@@ -4,7 +4,7 @@ after every step."""
 from __future__ import annotations
 
 from hiradix.core.context_overflow import Truncation
-from hiradix.core.context_shift import plan_moved, plan_shift, shared_head_tokens, shift_sources
+from hiradix.core.context_shift import plan_moved, plan_shift, shift_sources
 from hiradix.core.node import Tier
 from hiradix.core.page_index import PageContentIndex
 from hiradix.core.tree import TieredRadixTree
@@ -28,17 +28,6 @@ def insert(tree: TieredRadixTree, pool: SlotPool, tokens, namespace=None) -> lis
 def hbm_path_slots(tree: TieredRadixTree, tokens, namespace=None) -> list[int]:
     m = tree.match(tokens, namespace, split=False, touch=False)
     return [s for part in tree.path_hbm_slots(m.hbm_node) for s in part][: m.hbm_len]
-
-
-def test_shared_head_is_the_deepest_branching_point():
-    tree, pool = make()
-    insert(tree, pool, [1, 2, 3, 4, 5, 6])
-    assert shared_head_tokens(tree, [1, 2, 3, 4, 5, 6, 9, 9], None) == 0  # one conversation: nothing shared
-    insert(tree, pool, [1, 2, 3, 4, 7, 8])
-    assert shared_head_tokens(tree, [1, 2, 3, 4, 5, 6, 9, 9], None) == 4
-    assert shared_head_tokens(tree, [1, 2, 9, 9], None) == 0  # the branching point lies past its match
-    assert shared_head_tokens(tree, [1, 2, 3, 4, 5, 6], ("salt",)) == 0  # another namespace holds nothing
-    tree.check_integrity()
 
 
 def conversation(n_pages: int) -> list[int]:

@@ -17,6 +17,10 @@ salt (no reuse possible): SGLang's own token truncation (the paper's TT).
 
 In a 1-layer model a token's K/V depend only on the token and its position, so reuse after a
 shift must equal recomputing the cut prompt (AttentionStore §3.4's exactness case).
+
+Through the OpenAI endpoints (``openai`` client; issue 30): chats sharing a system prompt, whose
+answers re-tokenize differently, keep exactly that prompt at every cut (neox), and every answer,
+chat or completion, streamed or not, reports the cut in ``sglext.cached_tokens_details`` (gptj).
 """
 
 from __future__ import annotations
@@ -223,3 +227,121 @@ def test_a_request_whose_new_tokens_leave_no_room_is_refused_not_shortened(serve
     assert refused.value.code == 400
     assert "cannot be cut to fit a context" in refused.value.read().decode()
     assert generate(servers["neox"].base_url, list(range(100, 178)))["ids"]  # the server goes on
+
+
+# ------------------------------------------------------------ OpenAI clients (issue 30, item 6)
+CHAT_NEW = 16  # max_tokens of a chat turn
+
+
+def openai_client(server: ServerProcess):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def system_prompt(tokenizer) -> tuple[str, int]:
+    """A system prompt whose rendered message (``<|im_start|>system\\n...<|im_end|>\\n``) is whole
+    pages, at least 3 (not the first page a cut keeps when nothing is shared); its length in tokens."""
+    words = ["You", "answer", "in", "short", "plain", "sentences", "about", "any", "topic", "asked"]
+    text = "You are a terse assistant. Answer every question in two short sentences, plainly and politely."
+    for i in range(4 * PAGE):
+        n = len(tokenizer.apply_chat_template([{"role": "system", "content": text}], tokenize=True, return_dict=False))
+        if n % PAGE == 0 and n >= 3 * PAGE:
+            return text, n
+        text = f"{text} {words[i % len(words)]}"
+    raise AssertionError(f"no system prompt of whole pages up to {text!r}")
+
+
+def streamed_chat(client, messages: list[dict], **extra) -> tuple[str, list]:
+    """A streamed chat turn: its text and the chunks' ``sglext`` (those that carry one)."""
+    text, sglext = "", []
+    for chunk in client.chat.completions.create(model="default", messages=messages, max_tokens=CHAT_NEW,
+                                                temperature=0, stream=True, **extra):
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+        if getattr(chunk, "sglext", None):
+            sglext.append(chunk.sglext)
+    return text, sglext
+
+
+def test_chats_sharing_a_system_prompt_keep_exactly_it_over_the_openai_endpoint(servers):
+    """Three chats share one system prompt; their answers come back re-tokenized (the template
+    trims them), so every chat forks its own path once per turn. Every cut keeps exactly the system
+    prompt (the old default kept up to the chat's deepest own fork) and drops the oldest turns after
+    it: the answer equals recomputing ``uncut[:system] + uncut[system + dropped:]`` (a 1-layer model:
+    shifted reuse is exact). The clients do not ask for cache details; a cut is reported anyway."""
+    from transformers import AutoTokenizer
+
+    server = servers["neox"]
+    client = openai_client(server)
+    system, system_tokens = system_prompt(AutoTokenizer.from_pretrained(server.model_path))
+    histories = [[{"role": "system", "content": system}] for _ in range(3)]
+    checked, retokenized, streamed_cuts = 0, 0, 0
+    previous_end, previous_ids = 0, []  # chat 0's last prompt length and answer token ids
+    for turn in range(7):
+        for c, topic in enumerate(["rivers", "compilers", "gardens"]):
+            filler = " ".join(f"{topic}{(turn * 5 + i) % 17}" for i in range(8))
+            question = f"{topic.capitalize()} turn {turn}: tell me more. {filler}"
+            histories[c].append({"role": "user", "content": question})
+            if c == 2:  # streamed: the cut is reported in an sglext chunk
+                text, sglext = streamed_chat(client, histories[c])
+                streamed_cuts += any("context_truncated_tokens" in s["cached_tokens_details"] for s in sglext)
+                assert all(set(s) == {"cached_tokens_details"} for s in sglext), sglext
+                histories[c].append({"role": "assistant", "content": text})
+                continue
+            out = client.chat.completions.create(model="default", messages=histories[c], max_tokens=CHAT_NEW,
+                                                 temperature=0, logprobs=True,
+                                                 extra_body={"return_prompt_token_ids": True, "return_token_ids": True})
+            choice, uncut = out.choices[0], out.choices[0].prompt_token_ids
+            if c == 0 and turn > 0:
+                retokenized += uncut[previous_end : previous_end + len(previous_ids)] != previous_ids
+            previous_end, previous_ids = len(uncut), choice.response_token_ids
+            histories[c].append({"role": "assistant", "content": choice.message.content})
+            details = (getattr(out, "sglext", None) or {}).get("cached_tokens_details") or {}
+            if len(uncut) + CHAT_NEW < CONTEXT:
+                assert "context_truncated_tokens" not in details and getattr(out, "sglext", None) is None, out
+                continue
+            dropped = details["context_truncated_tokens"]
+            assert out.usage.prompt_tokens == len(uncut) - dropped and details["context_shifted_tokens"] >= 0
+            cut = uncut[:system_tokens] + uncut[system_tokens + dropped :]
+            reference = generate_with_logprobs(server.base_url, cut, len(choice.response_token_ids),
+                                               salt=f"ref-{c}-{turn}")
+            assert choice.response_token_ids == reference["ids"], (turn, c, dropped)
+            worst = max(abs(a.logprob - b) for a, b in zip(choice.logprobs.content, reference["logprobs"]))
+            assert worst <= 1e-5, (turn, c, dropped, worst)
+            checked += 1
+    assert checked >= 6 and streamed_cuts >= 2, (checked, streamed_cuts)
+    assert retokenized >= 1  # the answers did fork their chats (else the old default would pass too)
+    assert "the kept head is the part shared with other conversations" in server.log_text()
+    assert "Traceback" not in server.log_text() and "IntegrityError" not in server.log_text()
+
+
+def test_openai_answers_report_the_cut_streamed_and_not(servers):
+    """``/v1/completions`` and ``/v1/chat/completions``, streamed and not, asked for cache details
+    or not: a cut answer carries ``context_truncated_tokens`` and ``context_shifted_tokens`` in
+    ``sglext.cached_tokens_details``; an answer that was not cut is as stock SGLang writes it."""
+    server = servers["gptj"]
+    client = openai_client(server)
+    rng = random.Random(31)
+    prompt = tokens(rng, CONTEXT)  # overflows: a cut of half the prompt (no shared head: the first page kept)
+    dropped = plan_truncation(len(prompt), NEW, CONTEXT - 1, PAGE, 0.5, PAGE).drop_tokens
+    for asked in (False, True):
+        extra = {"extra_body": {"return_cached_tokens_details": True}} if asked else {}
+        out = client.completions.create(model="default", prompt=prompt, max_tokens=NEW, temperature=0, **extra)
+        details = out.sglext["cached_tokens_details"]
+        assert details["context_truncated_tokens"] == dropped and "context_shifted_tokens" in details, out
+        assert {"device", "host"} <= set(details) and out.usage.prompt_tokens == len(prompt) - dropped
+        chunks = list(client.completions.create(model="default", prompt=prompt, max_tokens=NEW, temperature=0,
+                                                stream=True, **extra))
+        sglext = [c.sglext for c in chunks if getattr(c, "sglext", None)]
+        assert len(sglext) == 1 and sglext[0]["cached_tokens_details"]["context_truncated_tokens"] == dropped, chunks
+        short = client.completions.create(model="default", prompt=prompt[:40], max_tokens=NEW, temperature=0,
+                                          **extra).model_dump()  # not cut: SGLang's answer
+        assert asked or short.get("sglext") is None, short
+        assert "context_truncated_tokens" not in ((short.get("sglext") or {}).get("cached_tokens_details") or {})
+    messages = [{"role": "user", "content": " ".join(f"word{i}" for i in range(400))}]  # overflows too
+    out = client.chat.completions.create(model="default", messages=messages, max_tokens=NEW, temperature=0)
+    assert out.sglext["cached_tokens_details"]["context_truncated_tokens"] > 0, out
+    _, sglext = streamed_chat(client, messages, extra_body={"return_cached_tokens_details": True})
+    assert len(sglext) == 1 and sglext[0]["cached_tokens_details"]["context_truncated_tokens"] > 0, sglext
+    assert "Traceback" not in server.log_text()

@@ -105,8 +105,10 @@ def shm_dirs_of(server: ServerProcess) -> list[Path]:
     return sorted(d for p in server.descendants() for d in base.glob(f"hiradix-{os.geteuid()}-{p.pid}-rank*"))
 
 
-def start(model: Path, log: Path, max_total_tokens: int, extra: list[str]) -> ServerProcess:
-    return ServerProcess(model, extra_args=cpu_args(max_total_tokens) + extra, env=cpu_env(), log_path=log)
+def start(model: Path, log: Path, max_total_tokens: int, extra: list[str], env: Optional[dict] = None) -> ServerProcess:
+    """A CPU server (``env``: more environment variables, e.g. ``HIRADIX_FAULTS``)."""
+    return ServerProcess(model, extra_args=cpu_args(max_total_tokens) + extra, env={**cpu_env(), **(env or {})},
+                         log_path=log)
 
 
 SESSIONS, TURNS, WORDS = 20, 4, 25

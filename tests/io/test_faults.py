@@ -37,6 +37,36 @@ def test_fault_switch_new_keys():
     for bad in ("truncate_keep=1", "truncate_keep=-0.5", "short_read=0.5", "enospc_on_store=-2"):
         with pytest.raises(ValueError, match="HIRADIX_FAULTS"):
             Faults.parse(bad)
+    assert Faults.parse("store_hold_path=/tmp/h,store_delay_s=1").store_hold_path == "/tmp/h"
+
+
+def test_sigterm_leaves_a_held_write_to_land_until_the_scheduler_shuts_the_worker_down(spec, pool, base_dir,
+                                                                                       monkeypatch):
+    """Issue 30: a server stopped as a process group SIGTERMs the worker with its scheduler, which
+    drains the writes in flight: the worker answers them, and exits on the scheduler's Shutdown."""
+    import msgspec
+    import os
+    import signal
+
+    from hiradix.io.client import IOWorkerClient
+    from tests.helpers.io import WAIT_S
+
+    hold = base_dir / "hold"
+    hold.touch()
+    monkeypatch.setenv("HIRADIX_FAULTS", f"store_hold_path={hold}")
+    client = IOWorkerClient(msgspec.structs.replace(spec, stop_timeout_s=5.0), ready_timeout_s=WAIT_S)
+    client.start()
+    try:
+        fill(pool, range(2), seed=3)
+        client.submit(StorePages(job_id=1, dram_pages=[0, 1], nvme_slots=[0, 1]))  # held
+        proc = client._worker.proc
+        os.kill(proc.pid, signal.SIGTERM)
+        assert client.ping(WAIT_S) and proc.poll() is None  # still serving
+        hold.unlink()  # the write lands now
+        assert wait_for(client, {1})[1].ok == [True, True]
+    finally:
+        client.close()
+    assert proc.returncode == 0  # Shutdown, not the signal
 
 
 # ---- a real worker --------------------------------------------------------------------------

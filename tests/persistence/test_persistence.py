@@ -16,7 +16,7 @@ from hiradix.persistence.fingerprint import kv_fingerprint, model_identity
 from hiradix.dataplane.layout import KVLayout
 from hiradix.persistence.journal import IndexJournal, restore
 from hiradix.tiers.nvme import NvmeStore
-from hiradix.persistence.index import INDEX_FILE_NAME, NvmeIndex, page_hash
+from hiradix.persistence.index import INDEX_FILE_NAME, NvmeIndex, Put, _read_records, page_hash
 from hiradix.core.node import Tier
 from tests.helpers.core import PS, Harness
 
@@ -95,8 +95,9 @@ def test_torn_tail_and_orphans_are_dropped(tmp_path, caplog):
     h, journal, index, _ = fresh(tmp_path)
     a, _ = h.insert([1, 2, 3, 4])
     persist(h, journal, a)
-    # A child whose parent page was never persisted: unreachable after a restart.
-    index.record([9], page_hash(b"", None, [40, 41]), [[42, 43]], None)
+    # A child whose parent page was never persisted (as an older hiradix wrote it, or a parent
+    # freed after it): unreachable after a restart.
+    index._append(Put(9, page_hash(b"", None, [40, 41]), [42, 43]))
     index.close()
     with open(tmp_path / INDEX_FILE_NAME, "ab") as f:
         f.write(b"\x10\x00\x00\x00torn")
@@ -111,11 +112,35 @@ def test_partial_prefix_is_restored_up_to_the_gap(tmp_path):
     a, _ = h.insert([1, 2, 3, 4, 5, 6])
     upper = h.tree.match([1, 2]).nodes[0]  # split: [1,2] | [3,4,5,6]
     persist(h, journal, upper)
-    index.record([20], page_hash(page_hash(page_hash(b"", None, [1, 2]), None, [3, 4]), None, [5, 6]), [[7, 8]], None)
+    index._append(Put(20, page_hash(page_hash(page_hash(b"", None, [1, 2]), None, [3, 4]), None, [5, 6]), [7, 8]))
     index.close()
     h2, _, _, restored = fresh(tmp_path)
     assert restored == 1
     assert h2.tree.match([1, 2, 3, 4, 5, 6]).nvme_len == 2
+
+
+def test_a_page_is_listed_only_once_its_parent_page_is(tmp_path, caplog):
+    """Issue 30: the journal is closed under ancestors at every moment, so a stop (or SIGKILL)
+    between a child's landing and its parent's leaves no orphan: the child waits in memory."""
+    index, _ = NvmeIndex.open(tmp_path, FP, 32, PS)
+    a, b, c = [1, 2], [3, 4], [5, 6]
+    h_a = page_hash(b"", None, a)
+    h_b = page_hash(h_a, None, b)
+    index.record([7], h_b, [c], None)  # c landed first: its parent b is not listed
+    index.record([5, 6], h_a, [b, [9, 9]], None)  # b (and a sibling of c) land: a is not listed either
+    assert (index.num_pages, index.waiting_pages) == (0, 3)
+    index.invalidate([6])  # the sibling's slot is freed before its parent came: it never gets listed
+    assert index.record([4], b"", [a], None) == h_a  # a prefix's first page: listed, then b, then c
+    assert (index.num_pages, index.waiting_pages, index.listed([4, 5, 6, 7])) == (3, 0, 3)
+    index.close()
+    records, _ = _read_records((tmp_path / INDEX_FILE_NAME).read_bytes(), tmp_path)
+    assert [r.slot for r in records if isinstance(r, Put)] == [4, 5, 7]  # parents before children
+    with caplog.at_level(logging.INFO):
+        index, pages = NvmeIndex.open(tmp_path, FP, 32, PS)
+    assert [p.slot for p in pages] == [4, 5, 7] and "(0 orphan pages dropped)" in caplog.text
+    index.record([8], page_hash(h_b, None, c), [[1, 1]], None)  # below a re-indexed page: at once
+    assert index.listed([8]) == 1
+    index.close()
 
 
 def test_namespaces_stay_apart(tmp_path):

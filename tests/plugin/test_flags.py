@@ -671,7 +671,7 @@ def test_config_defaults():
     assert config == HiRadixConfig()
     assert (config.dram_bytes, config.nvme_path, config.nvme_bytes) == (4_000_000_000, None, 0)
     assert (config.policy, config.lookahead_window) == ("lookahead", 64)
-    assert (config.write_policy, config.load_timeout_s) == ("write_through", 2.0)
+    assert (config.write_policy, config.load_timeout_s, config.stop_timeout_s) == ("write_through", 2.0, 10.0)
     assert not config.has_nvme_tier
     assert isinstance(config.dram_bytes, int)
 
@@ -705,6 +705,8 @@ def test_config_converts_gb_and_resolves_path(tmp_path, monkeypatch):
          "--hiradix-write-policy must be one of ['write_through', 'write_back'], got 'write_around'"),
         (dict(load_timeout_s=0), "--hiradix-load-timeout-s must be a finite number > 0 (seconds), got 0.0"),
         (dict(load_timeout_s=math.inf), "--hiradix-load-timeout-s must be a finite number > 0"),
+        (dict(stop_timeout_s=-1), "--hiradix-stop-timeout-s must be a finite number >= 0 (seconds), got -1.0"),
+        (dict(stop_timeout_s=math.nan), "--hiradix-stop-timeout-s must be a finite number >= 0"),
         (dict(dram_ratio=0), "--hiradix-dram-ratio must be a finite number > 0 (x the device KV pool), got 0"),
         (dict(dram_ratio=-1), "--hiradix-dram-ratio must be a finite number > 0"),
         (dict(dram_ratio=1, dram_gb=2), "--hiradix-dram-ratio and --hiradix-dram-gb both size the DRAM tier"),
