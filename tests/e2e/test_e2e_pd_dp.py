@@ -24,15 +24,24 @@ module: all of them at once would take ~20 GB of this 24 GB machine.)
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
+import json
+import random
+import signal
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
 from hiradix.core.decode_offload import offload_span
 from hiradix.testing.router import RouterProcess
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, pick_free_port, stop_all
-from tests.helpers.e2e import (WORDS, assert_same_outputs, dram_pools_mapped, metric, mla_model, run_sessions, settled,
-                               tier_hits)
+from tests.helpers.e2e import (WORDS, assert_same_outputs, dram_pools_mapped, flush_tiers, metric, mla_model,
+                               run_sessions, settled, tier_hits)
 from tests.helpers.store import requires_mooncake
 
 pytestmark = [pytest.mark.e2e, requires_mooncake]
@@ -42,6 +51,7 @@ DP_SESSIONS, DP_FLAGS = 8, ["--tp-size", "2", "--attn-dp-size", "2", "--max-runn
 
 SESSIONS, TURNS = 8, 3
 PAGE = 16
+PD_WAITING_TIMEOUT_S = 45  # SGLANG_DISAGGREGATION_WAITING_TIMEOUT of the PD pair, in seconds
 # `--served-model-name default`: the router picks PD workers by model id, and the chats name "default".
 PD_FLAGS = ["--page-size", "16", "--disaggregation-transfer-backend", "mooncake_tcp", "--disable-overlap-schedule",
             "--max-running-requests", "2", "--served-model-name", "default"]  # fmt: skip
@@ -58,7 +68,10 @@ def deployments(tiny_model: Path, store, tmp_path_factory) -> dict:
     # SGLANG_HOST_IP: SGLang's PD KV transfer (mooncake_tcp) goes over loopback, not the machine's
     # interface address (a CI run lost its first turn: "Failed to send kv chunk ... to 192.0.2.2",
     # then "remote mooncake session ... is not alive" for every request after it).
-    env = {**cpu_env(), "NO_PROXY": "127.0.0.1,localhost", "HIRADIX_CHECK_INTEGRITY": "1", "SGLANG_HOST_IP": "127.0.0.1"}
+    # SGLANG_DISAGGREGATION_WAITING_TIMEOUT: the bound of a decode request whose KV never arrives
+    # (SGLang's default 300 s; the stalled-transfer test below waits it out once).
+    env = {**cpu_env(), "NO_PROXY": "127.0.0.1,localhost", "HIRADIX_CHECK_INTEGRITY": "1", "SGLANG_HOST_IP": "127.0.0.1",
+           "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(PD_WAITING_TIMEOUT_S)}
     shared = ["--enable-hiradix", "--hiradix-store", "mooncake", "--hiradix-store-config", store.config_json()]
     servers = {
         "prefill": ServerProcess(tiny_model, extra_args=cpu_args(1024) + PD_FLAGS + shared + [
@@ -85,7 +98,7 @@ def deployments(tiny_model: Path, store, tmp_path_factory) -> dict:
         for server in servers.values():
             server.wait_healthy()
         router.start()
-        yield {**servers, "router": router}
+        yield {**servers, "router": router, "bootstrap_port": bootstrap}
     finally:
         router.stop()
         stop_all(servers.values())
@@ -93,7 +106,7 @@ def deployments(tiny_model: Path, store, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def pd(deployments):
-    return deployments["prefill"], deployments["decode"], deployments["router"]
+    return deployments["prefill"], deployments["decode"], deployments["router"], deployments["bootstrap_port"]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -107,7 +120,7 @@ def pages(tokens: int) -> int:
 
 
 def test_chats_through_the_pd_router_match_one_stock_server_and_hit_whole_histories(pd, stock_server, stock_outputs):
-    prefill, decode, router = pd
+    prefill, decode, router, _ = pd
     offloaded = [0]  # tokens the decode server's finished requests submitted to the store so far
 
     def offload_landed(t: int, results: list[list[dict]]) -> None:
@@ -189,3 +202,61 @@ def test_dp_attention_ranks_keep_their_own_tiers_and_share_histories_through_the
     assert len(dram_pools_mapped(server)) == 2
     log = server.log_text()
     assert "Traceback" not in log and "IntegrityError" not in log, log[-4000:]
+
+
+def post_json(url: str, body: dict, timeout_s: float) -> tuple[int, dict]:
+    """POST a JSON body; (HTTP status, decoded answer), also for an error status."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def freeze(pids: list[int], sig: int) -> None:
+    """SIGSTOP (wait until every thread stopped) or SIGCONT each pid."""
+    for pid in pids:
+        os.kill(pid, sig)
+    if sig == signal.SIGSTOP:
+        states = lambda pid: [t.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0]  # noqa: E731
+                              for t in Path(f"/proc/{pid}/task").iterdir()]
+        assert settled(lambda: all(state in "tT" for pid in pids for state in states(pid)), bool, timeout_s=10.0,
+                       poll_s=0.01), pids
+
+
+def test_a_stalled_kv_transfer_fails_within_its_bound_and_the_pair_serves_on(pd, stock_server):
+    """Issue 30 item 1: the prefill server's scheduler (which runs its side of the KV transfer) is
+    frozen while a request is in flight; the decode server gives the request up within
+    SGLANG_DISAGGREGATION_WAITING_TIMEOUT with an error naming the transfer, answers the next
+    request, and the prefill server, once thawed, releases everything the request held (its tiers
+    flush to empty: no page locked, no transfer in flight). Sent to the pair directly with one
+    bootstrap room, as the router does, so no router retry hides the failure."""
+    prefill, decode, router, bootstrap_port = pd
+    scheduler = [p.pid for p in prefill.descendants() if "scheduler" in p.name()]
+    assert len(scheduler) == 1, [p.name() for p in prefill.descendants()]
+    body = {"model": "default", "messages": [{"role": "user", "content": "A stalled transfer, " + WORDS * "x "}],
+            "temperature": 0, "max_tokens": 8, "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port,
+            "bootstrap_room": random.randrange(1 << 62)}  # fmt: skip
+    freeze(scheduler, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            sent_s = time.monotonic()
+            to_prefill = pool.submit(post_json, prefill.base_url + "/v1/chat/completions", body, 600)
+            status, answer = pool.submit(post_json, decode.base_url + "/v1/chat/completions", body, 600).result()
+            waited_s = time.monotonic() - sent_s
+            assert status >= 500 and "timed out" in json.dumps(answer), (status, answer)
+            assert PD_WAITING_TIMEOUT_S - 1 <= waited_s <= PD_WAITING_TIMEOUT_S + 60, waited_s
+            freeze(scheduler, signal.SIGCONT)
+            to_prefill.result()  # the prefill server answers too (its part failed or was dropped)
+    finally:
+        freeze(scheduler, signal.SIGCONT)
+    # the pair serves on: a chat through the router gives stock's answer
+    expected = run_sessions(stock_server.base_url, 1, 2, WORDS, first_session=900)
+    assert_same_outputs(run_sessions(router.base_url, 1, 2, WORDS, first_session=900), expected)
+    # nothing held: the prefill server's tiers flush to empty, nothing in flight
+    flush_tiers(prefill.base_url)
+    assert sum(metric(prefill.base_url, "sglang:hiradix_transfers_in_flight", kind=k)
+               for k in ("BACKUP", "PROMOTE", "DEMOTE", "PREFETCH")) == 0
+    for server in (prefill, decode):
+        assert "Traceback" not in server.log_text() and "IntegrityError" not in server.log_text()
