@@ -6,7 +6,6 @@ other time."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 
 from hiradix.testing import diagnose, flake_hunt
 from hiradix.testing.server import ServerProcess, ServerStartError
+from tests.helpers.e2e import fake_sglang
 
 # A launcher that never answers /health: its main thread waits in a function whose name the stack shows.
 STUCK_LAUNCH_SERVER = textwrap.dedent('''
@@ -29,11 +29,7 @@ STUCK_LAUNCH_SERVER = textwrap.dedent('''
 
 @pytest.fixture
 def stuck_sglang(tmp_path):
-    package = tmp_path / "fake" / "sglang"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    (package / "launch_server.py").write_text(STUCK_LAUNCH_SERVER)
-    return {"PYTHONPATH": str(tmp_path / "fake")}
+    return fake_sglang(tmp_path, STUCK_LAUNCH_SERVER)
 
 
 def test_a_readiness_timeout_reports_every_process_stack_and_the_log(stuck_sglang, tmp_path):

@@ -459,6 +459,16 @@ class TierController:
         return pending
 
     # ------------------------------------------------------------ per step
+    def _record_results(self, results) -> None:
+        """This rank's view of finished I/O jobs, kept until every rank agrees on them."""
+        lookups = self.store.lookups if self.store is not None else {}
+        for result in results:
+            if result.job_id in lookups:
+                self._local_done[result.job_id] = found_of(result, lambda n, i=result.job_id: self._choose_read(i, n))
+            else:
+                self._local_done[result.job_id] = outcome_of(result)
+            self._results[result.job_id] = result
+
     def step(self) -> None:
         """Apply the completions every TP rank agrees on; store DRAM-only nodes to NVMe."""
         now = self.clock()
@@ -469,13 +479,7 @@ class TierController:
         alive = True
         if self.client is not None:
             alive = self.client.check_alive()
-            lookups = self.store.lookups if self.store is not None else {}
-            for result in self.client.poll():
-                if result.job_id in lookups:
-                    self._local_done[result.job_id] = found_of(result, lambda n, i=result.job_id: self._choose_read(i, n))
-                else:
-                    self._local_done[result.job_id] = outcome_of(result)
-                self._results[result.job_id] = result
+            self._record_results(self.client.poll())
         lookups = self.store.lookups if self.store is not None else {}
         pending = sorted(self.books.pending_ids() + list(lookups) + list(self._unread))
         expired_here = {op for op, t in self._prefetch_deadline_s.items() if t is not None and t <= now}

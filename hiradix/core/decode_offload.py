@@ -74,15 +74,6 @@ class Put:
     first_s: float = 0.0  # when the first try was reserved, in the caller's clock (seconds)
 
 
-@dataclass(frozen=True)
-class Retry:
-    """A PUT's failed pages, tried again once ``due_s`` passed (under a new job id)."""
-
-    job_id: int
-    put: Put
-    due_s: float
-
-
 class OffloadBooks:
     """Staging pages and PUTs in flight of one decode scheduler (one TP rank), with counts.
 
@@ -94,8 +85,8 @@ class OffloadBooks:
     def __init__(self, staging_pages: int, page_size: int):
         self.allocator = PageAllocator(staging_pages)
         self.page_size = page_size
-        self.in_flight: dict[int, Put] = {}  # job id -> put (submitted, or waiting in `retries`)
-        self.retries: dict[int, Retry] = {}  # job id -> a retry not yet handed out
+        self.in_flight: dict[int, Put] = {}  # job id -> put (submitted, or a retry waiting in `retries`)
+        self.retries: dict[int, float] = {}  # job id -> when a retry not yet handed out is due, in seconds
         self._next_job = 0
         self.tokens = dict.fromkeys(OUTCOMES, 0)  # cumulative, per outcome
         self.requests = 0  # finished requests that offloaded at least one page
@@ -128,7 +119,7 @@ class OffloadBooks:
 
     def finish(self, job_id: int, ok: Sequence[bool], now_s: float = 0.0) -> Optional[Put]:
         """A PUT ended (``ok``: one flag per page): count its stored pages and free their staging;
-        its failed pages are tried again (their staging kept, a :class:`Retry` due after the
+        its failed pages are tried again (their staging kept, under a new job id due after the
         backoff) while tries and budget last, else counted ``failed`` and freed.
         Returns the put, or None for an unknown job id."""
         put = self.in_flight.pop(job_id, None)
@@ -148,17 +139,17 @@ class OffloadBooks:
         self._next_job += 1
         self.in_flight[self._next_job] = again
         backoff_s = PUT_RETRY_BACKOFF_S * 2 ** (put.attempt - 1)
-        self.retries[self._next_job] = Retry(self._next_job, again, now_s + backoff_s)
+        self.retries[self._next_job] = now_s + backoff_s
         self.retried_pages += len(failed)
         return put
 
-    def due_retries(self, now_s: float) -> list[Retry]:
-        """The retries whose backoff passed, oldest first; each is handed out once (submit it
-        under its ``job_id``, or :meth:`cancel` it)."""
-        due = sorted((r for r in self.retries.values() if r.due_s <= now_s), key=lambda r: r.job_id)
-        for retry in due:
-            del self.retries[retry.job_id]
-        return due
+    def due_retries(self, now_s: float) -> list[tuple[int, Put]]:
+        """``(job id, put)`` of the retries whose backoff passed, oldest first; each is handed out
+        once (submit it under that job id, or :meth:`cancel` it)."""
+        due = sorted(job_id for job_id, due_s in self.retries.items() if due_s <= now_s)
+        for job_id in due:
+            del self.retries[job_id]
+        return [(job_id, self.in_flight[job_id]) for job_id in due]
 
     def check_integrity(self) -> None:
         """Staging pages in use are exactly those of the PUTs in flight or waiting to retry."""

@@ -131,7 +131,7 @@ class GracefulStop:
 
     def note(self, expired: set[int], books: TierBooks) -> None:
         """After a step's agreement: a write that expired on any rank means some rank stops."""
-        if not self.agreed and expired & set(writes_in_flight(books)):
+        if not self.agreed and expired and expired & set(writes_in_flight(books)):
             self.agreed = True
 
     def drain(self, ctl: TierController) -> StopReport:
@@ -178,21 +178,15 @@ class GracefulStop:
     def _round(self, ctl: TierController, pending: list[int], deadline_s: float, landed_slots: list) -> bool:
         """One agreement round over the writes ``pending``; True when the drain must end (a rank's
         deadline passed or its I/O side is gone)."""
-        from hiradix.core.controller import outcome_of
-
         left_s = max(0.0, min(deadline_s - self.clock(), WAIT_STEP_S))
         asked_s = self.clock()
         results = ctl.client.wait(left_s) if ctl.client is not None else []
-        lookups = ctl.store.lookups if ctl.store is not None else {}
-        for result in results:
-            if result.job_id not in lookups:  # a lookup's answer is not used any more
-                ctl._local_done[result.job_id] = outcome_of(result)
-                ctl._results[result.job_id] = result
+        ctl._record_results(results)
         local = {op_id: ctl._local_done[op_id] for op_id in pending if op_id in ctl._local_done}
         # The I/O worker's wait returns early and empty only once the worker is gone.
         gone = not results and self.clock() - asked_s < left_s / 2 and len(local) < len(pending)
         give_up = gone or self.clock() >= deadline_s
-        finished, expired = ctl.sync.agree(pending, local, set(pending) if give_up else set())[:2]
+        finished, expired, _ = ctl.sync.agree(pending, local, set(pending) if give_up else set())
         for op_id in sorted(finished):
             self._count(ctl, op_id, finished[op_id], landed_slots)
         if expired & set(pending):

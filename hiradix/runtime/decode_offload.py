@@ -156,14 +156,13 @@ class DecodeOffloader:
             put = self.books.finish(done.job_id, done.ok, now_s)
             if put is not None and done.error:
                 logger.info("hiradix: decode offload PUT of %d pages failed: %s", len(put.staging), done.error)
-        for retry in self.books.due_retries(now_s):  # failed pages, tried again (staging kept)
-            logger.info("hiradix: decode offload: %d pages PUT again (try %d)", len(retry.put.staging), retry.put.attempt)
+        for job_id, put in self.books.due_retries(now_s):  # failed pages, tried again (staging kept)
+            logger.info("hiradix: decode offload: %d pages PUT again (try %d)", len(put.staging), put.attempt)
             try:
-                self.client.submit_put(retry.job_id, list(retry.put.staging), list(retry.put.keys))
+                self.client.submit_put(job_id, list(put.staging), list(put.keys))
             except Exception:  # never the scheduler's problem: the retry is dropped and counted
-                logger.warning("hiradix: decode offload retry of %d pages dropped", len(retry.put.staging),
-                               exc_info=True)
-                self.books.cancel(retry.job_id)
+                logger.warning("hiradix: decode offload retry of %d pages dropped", len(put.staging), exc_info=True)
+                self.books.cancel(job_id)
         self._log_summary()
 
     def _log_summary(self) -> None:

@@ -77,8 +77,9 @@ class _EnableHiRadixAction(argparse._StoreTrueAction):
 
 
 # The launcher hooks --hiradix-context-overflow needs (let long prompts through; report cuts in OpenAI answers).
-OVERFLOW_LAUNCHER_HOOKS = tuple(s for s in hooks.HOOKS if s.scope is hooks.Scope.LAUNCHER and s.hook.split(":")[0] in (
-    "hiradix.sglang_plugin.overflow", "hiradix.sglang_plugin.openai_cut"))
+OVERFLOW_LAUNCHER_HOOKS = tuple(s for s in hooks.specs_of("hiradix.sglang_plugin.overflow",
+                                                         "hiradix.sglang_plugin.openai_cut")
+                                if s.scope is hooks.Scope.LAUNCHER)
 
 
 def after_add_cli_args(result: None, parser: argparse.ArgumentParser) -> None:

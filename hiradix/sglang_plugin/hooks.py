@@ -249,6 +249,11 @@ HOOKS: tuple[HookSpec, ...] = (
 )
 
 
+def specs_of(*modules: str) -> tuple[HookSpec, ...]:
+    """The specs whose hook functions live in ``modules`` (e.g. what one flag installs)."""
+    return tuple(spec for spec in HOOKS if spec.hook.split(":", 1)[0] in modules)
+
+
 def hiradix_env_enabled() -> bool:
     """Whether the launcher exported a configuration (`HIRADIX_CONFIG`) to this process."""
     return bool(os.environ.get(ENV_VAR))

@@ -41,7 +41,7 @@ from hiradix.sglang_plugin import hooks
 
 logger = logging.getLogger(__name__)
 
-LAUNCHER_HOOKS = tuple(s for s in hooks.HOOKS if s.hook.startswith(__name__ + ":"))
+LAUNCHER_HOOKS = hooks.specs_of(__name__)
 SIGTERM_RACE_S = 2.0  # a child that died of SIGTERM: how long the launcher's own SIGTERM may take to show
 
 _launcher_stopping = threading.Event()  # the launcher got SIGTERM (after_sigterm_handler)

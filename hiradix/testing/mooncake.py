@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from hiradix.testing import diagnose
-from hiradix.testing.server import pick_free_port
+from hiradix.testing.server import freeze_process, pick_free_port
 from hiradix.tiers.store.base import StoreConfig
 
 logger = logging.getLogger(__name__)
@@ -112,27 +112,13 @@ class _Proc:
             os.kill(self.popen.pid, sig)
 
     def freeze(self, timeout_s: float = 10.0) -> None:
-        """SIGSTOP, then wait until every thread is stopped: ``kill`` returns before the stop
-        reaches a thread running on another core, which could still answer a call sent right after.
+        """SIGSTOP, then wait until every thread is stopped (:func:`freeze_process`).
 
         Raises:
             TimeoutError: a thread was not stopped within ``timeout_s``.
         """
-        self.signal(signal.SIGSTOP)
-        deadline = time.monotonic() + timeout_s
-        while not self._all_threads_stopped():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.label} pid={self.pid} not stopped {timeout_s} s after SIGSTOP")
-            time.sleep(0.005)
-
-    def _all_threads_stopped(self) -> bool:
-        states = []
-        for task in Path(f"/proc/{self.pid}/task").iterdir():
-            try:  # "pid (comm) S ...": the state follows the last ')'
-                states.append(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0])
-            except (FileNotFoundError, ProcessLookupError):
-                continue  # a thread that just exited
-        return bool(states) and all(state in "tT" for state in states)
+        if self.alive():
+            freeze_process(self.pid, timeout_s)
 
     def stop(self, grace_s: float) -> Optional[int]:
         """SIGCONT (a frozen one cannot act on SIGTERM), SIGTERM, wait, then SIGKILL; by PID."""

@@ -501,6 +501,31 @@ def stop_all(servers: "Iterable[ServerProcess]") -> list[int | None]:
         return list(pool.map(lambda server: server.stop(), servers))
 
 
+def freeze_process(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP ``pid``, then wait until every thread of it is stopped: ``kill`` returns before the
+    stop reaches a thread running on another core, which could still act right after.
+
+    Raises:
+        TimeoutError: a thread was not stopped within ``timeout_s``.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while not _all_threads_stopped(pid):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pid={pid} not stopped {timeout_s} s after SIGSTOP")
+        time.sleep(0.005)
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:  # "pid (comm) S ...": the state follows the last ')'
+            states.append(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that just exited
+    return bool(states) and all(state in "tT" for state in states)
+
+
 def _signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)

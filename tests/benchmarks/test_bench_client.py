@@ -37,6 +37,7 @@ from bench.common.multiturn import (  # noqa: E402
 )
 from bench.ab.paired import PairedRecord  # noqa: E402
 from hiradix.testing.server import ServerProcess, ServerStartError, cpu_args, cpu_env  # noqa: E402
+from tests.helpers.e2e import fake_sglang as write_fake_sglang  # noqa: E402
 from tests.helpers.fake_chat import FakeChatServer  # noqa: E402
 
 # ---------------------------------------------------------------- conversations
@@ -346,11 +347,7 @@ FAKE_LAUNCH_SERVER = textwrap.dedent('''
 
 @pytest.fixture
 def fake_sglang(tmp_path):
-    package = tmp_path / "fake" / "sglang"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    (package / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
-    return {"PYTHONPATH": str(tmp_path / "fake")}
+    return write_fake_sglang(tmp_path, FAKE_LAUNCH_SERVER)
 
 
 def test_server_process_kills_whole_group_even_stubborn_children(fake_sglang, tmp_path):

@@ -59,11 +59,11 @@ def test_a_failed_put_is_tried_again_for_its_failed_pages_within_its_budget():
     assert books.tokens == {"stored": PS, "staging_full": 0, "failed": 0}  # nothing lost yet
     assert books.allocator.num_used == 2  # the failed pages' staging is kept, the stored one freed
     assert books.due_retries(100.2 + PUT_RETRY_BACKOFF_S / 2) == []  # backoff not over
-    (retry,) = books.due_retries(100.2 + PUT_RETRY_BACKOFF_S)
-    assert retry.put.keys == ("k0", "k2") and retry.put.staging == (staging[0], staging[2])
-    assert retry.put.attempt == 2 and books.due_retries(200.0) == []  # handed out once
+    ((retry_job, retry),) = books.due_retries(100.2 + PUT_RETRY_BACKOFF_S)
+    assert retry.keys == ("k0", "k2") and retry.staging == (staging[0], staging[2])
+    assert retry.attempt == 2 and books.due_retries(200.0) == []  # handed out once
     books.check_integrity()
-    books.finish(retry.job_id, [True, True], now_s=101.0)  # the retry landed: nothing failed
+    books.finish(retry_job, [True, True], now_s=101.0)  # the retry landed: nothing failed
     assert books.tokens == {"stored": 3 * PS, "staging_full": 0, "failed": 0}
     assert books.allocator.num_used == 0 and books.retried_pages == 2
     books.check_integrity()
@@ -75,8 +75,7 @@ def test_a_failed_put_is_tried_again_for_its_failed_pages_within_its_budget():
         now += 10 * PUT_RETRY_BACKOFF_S
         due = books.due_retries(now)
         if attempt < PUT_ATTEMPTS:
-            (retry,) = due
-            job = retry.job_id
+            ((job, _),) = due
         else:
             assert due == []
     assert books.tokens["failed"] == 2 * PS and books.allocator.num_used == 0
@@ -89,7 +88,7 @@ def test_a_failed_put_is_tried_again_for_its_failed_pages_within_its_budget():
     # a due retry that cannot be submitted is cancelled: failed, staging freed
     job, _ = books.reserve(1, ["c"], now_s=0.0)
     books.finish(job, [False], now_s=0.0)
-    (retry,) = books.due_retries(PUT_RETRY_BUDGET_S)
-    books.cancel(retry.job_id)
+    ((retry_job, _),) = books.due_retries(PUT_RETRY_BUDGET_S)
+    books.cancel(retry_job)
     assert books.tokens["failed"] == 5 * PS and books.allocator.num_used == 0
     books.check_integrity()

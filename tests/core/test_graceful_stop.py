@@ -24,6 +24,7 @@ from hiradix.core.tree import TieredRadixTree
 from hiradix.persistence.index import INDEX_FILE_NAME, NvmeIndex, Put, _read_records
 from hiradix.persistence.journal import IndexJournal, restore
 from hiradix.testing.sim_ports import SimClock, SimDevicePool, SimHostMover, SimIOClient
+from tests.helpers.core import serve_request
 
 PS = 2  # tokens per page
 FP = {"model": "m", "page_size": str(PS)}
@@ -50,18 +51,7 @@ class Server:
 
     def serve(self, tokens: list[int]) -> None:
         """A request: its hits loaded back, the rest computed, inserted, finished; then a step."""
-        m = self.cache.match(tokens)
-        self.cache.lock(m.hbm_node)
-        back = self.cache.load_back(m.hbm_node, m.dram_node, m.dram_len)
-        if back.node is not m.hbm_node:
-            self.cache.lock(back.node)
-            self.cache.unlock(m.hbm_node)
-        hit = m.hbm_len + back.loaded
-        _, last = self.cache.checkpoint(tokens, None, self.cache.path_slots(back.node)
-                                        + self.cache.alloc_device(len(tokens) - hit), hit)
-        self.cache.lock(last)
-        self.cache.unlock(back.node)
-        self.cache.unlock(last)
+        serve_request(self.cache, tokens)
         self.step()
 
     def step(self, dt_s: float = 0.1) -> None:

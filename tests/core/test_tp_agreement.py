@@ -27,6 +27,7 @@ from hiradix.core.store_tier import STORE_RETRY_S
 from hiradix.core.tree import TieredRadixTree
 from hiradix.testing.sim_ports import SimClock, SimDevicePool, SimHostMover, SimStore
 from tests.helpers.ranks import DyingIOClient, ThreadRanks
+from tests.helpers.core import serve_request
 
 PS = 2  # tokens per page
 TIMEOUT_S = 2.0
@@ -57,18 +58,7 @@ class Rank:
 
     def serve(self, tokens: list[int]) -> None:
         """A request: its HBM hit, its DRAM part loaded back, the rest computed; inserted, finished."""
-        m = self.cache.match(tokens)
-        self.cache.lock(m.hbm_node)
-        back = self.cache.load_back(m.hbm_node, m.dram_node, m.dram_len)
-        if back.node is not m.hbm_node:
-            self.cache.lock(back.node)
-            self.cache.unlock(m.hbm_node)
-        hit = m.hbm_len + back.loaded
-        new = self.cache.alloc_device(len(tokens) - hit)
-        _, last = self.cache.checkpoint(tokens, None, self.cache.path_slots(back.node) + new, hit)
-        self.cache.lock(last)
-        self.cache.unlock(back.node)
-        self.cache.unlock(last)
+        serve_request(self.cache, tokens)
 
     def books(self) -> dict:
         """What must be the same on every rank (HBM slots excepted: each rank's device pool)."""

@@ -16,6 +16,7 @@ from hiradix.core.prefix_cache import TieredPrefixCache
 from hiradix.core.predict import PredictivePolicy
 from hiradix.core.tree import TieredRadixTree
 from hiradix.testing.sim_ports import SimClock, SimDevicePool, SimStore, simulated_controller
+from tests.helpers.core import serve_request
 
 PS = 2  # tokens per page
 TIMEOUT_S = 2.0
@@ -55,18 +56,7 @@ class Server:
 
     def serve(self, tokens: list[int]):
         """A request: its HBM hit, its DRAM part loaded back, the rest computed; inserted, finished."""
-        m = self.cache.match(tokens)
-        self.cache.lock(m.hbm_node)
-        back = self.cache.load_back(m.hbm_node, m.dram_node, m.dram_len)
-        if back.node is not m.hbm_node:
-            self.cache.lock(back.node)
-            self.cache.unlock(m.hbm_node)
-        hit = m.hbm_len + back.loaded
-        new = self.cache.alloc_device(len(tokens) - hit)
-        _, last = self.cache.checkpoint(tokens, None, self.cache.path_slots(back.node) + new, hit)
-        self.cache.lock(last)
-        self.cache.unlock(back.node)
-        self.cache.unlock(last)
+        last = serve_request(self.cache, tokens)
         self.check()
         return last
 

@@ -24,22 +24,21 @@ module: all of them at once would take ~20 GB of this 24 GB machine.)
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
-import pytest
-
 import json
+import os
 import random
 import signal
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
 
 from hiradix.core.decode_offload import offload_span
 from hiradix.testing.router import RouterProcess
-from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, pick_free_port, stop_all
+from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, freeze_process, pick_free_port, stop_all
 from tests.helpers.e2e import (WORDS, assert_same_outputs, dram_pools_mapped, flush_tiers, metric, mla_model,
                                run_sessions, settled, tier_hits)
 from tests.helpers.store import requires_mooncake
@@ -214,17 +213,6 @@ def post_json(url: str, body: dict, timeout_s: float) -> tuple[int, dict]:
         return err.code, json.loads(err.read() or b"{}")
 
 
-def freeze(pids: list[int], sig: int) -> None:
-    """SIGSTOP (wait until every thread stopped) or SIGCONT each pid."""
-    for pid in pids:
-        os.kill(pid, sig)
-    if sig == signal.SIGSTOP:
-        states = lambda pid: [t.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0]  # noqa: E731
-                              for t in Path(f"/proc/{pid}/task").iterdir()]
-        assert settled(lambda: all(state in "tT" for pid in pids for state in states(pid)), bool, timeout_s=10.0,
-                       poll_s=0.01), pids
-
-
 def test_a_stalled_kv_transfer_fails_within_its_bound_and_the_pair_serves_on(pd, stock_server):
     """Issue 30 item 1: the prefill server's scheduler (which runs its side of the KV transfer) is
     frozen while a request is in flight; the decode server gives the request up within
@@ -238,7 +226,7 @@ def test_a_stalled_kv_transfer_fails_within_its_bound_and_the_pair_serves_on(pd,
     body = {"model": "default", "messages": [{"role": "user", "content": "A stalled transfer, " + WORDS * "x "}],
             "temperature": 0, "max_tokens": 8, "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port,
             "bootstrap_room": random.randrange(1 << 62)}  # fmt: skip
-    freeze(scheduler, signal.SIGSTOP)
+    freeze_process(scheduler[0])
     try:
         with ThreadPoolExecutor(2) as pool:
             sent_s = time.monotonic()
@@ -247,10 +235,10 @@ def test_a_stalled_kv_transfer_fails_within_its_bound_and_the_pair_serves_on(pd,
             waited_s = time.monotonic() - sent_s
             assert status >= 500 and "timed out" in json.dumps(answer), (status, answer)
             assert PD_WAITING_TIMEOUT_S - 1 <= waited_s <= PD_WAITING_TIMEOUT_S + 60, waited_s
-            freeze(scheduler, signal.SIGCONT)
+            os.kill(scheduler[0], signal.SIGCONT)
             to_prefill.result()  # the prefill server answers too (its part failed or was dropped)
     finally:
-        freeze(scheduler, signal.SIGCONT)
+        os.kill(scheduler[0], signal.SIGCONT)
     # the pair serves on: a chat through the router gives stock's answer
     expected = run_sessions(stock_server.base_url, 1, 2, WORDS, first_session=900)
     assert_same_outputs(run_sessions(router.base_url, 1, 2, WORDS, first_session=900), expected)

@@ -101,3 +101,22 @@ class Harness:
 
     def complete(self, op_id: int, ok=True, aborted: bool = False) -> Optional[Transfer]:
         return complete(self.books, op_id, ok, aborted)
+
+
+def serve_request(cache, tokens: list[int]):
+    """One request through a :class:`~hiradix.core.prefix_cache.TieredPrefixCache`, as SGLang runs
+    it: match, lock the HBM hit, load the DRAM part back, compute the rest, insert, finish. Returns
+    the request's last node (unlocked)."""
+    m = cache.match(tokens)
+    cache.lock(m.hbm_node)
+    back = cache.load_back(m.hbm_node, m.dram_node, m.dram_len)
+    if back.node is not m.hbm_node:
+        cache.lock(back.node)
+        cache.unlock(m.hbm_node)
+    hit = m.hbm_len + back.loaded
+    new = cache.alloc_device(len(tokens) - hit)
+    _, last = cache.checkpoint(tokens, None, cache.path_slots(back.node) + new, hit)
+    cache.lock(last)
+    cache.unlock(back.node)
+    cache.unlock(last)
+    return last

@@ -223,3 +223,13 @@ def settle_transfers(base_url: str, timeout_s: float = 120.0, **labels: str) -> 
         assert time.monotonic() < deadline, "transfers still in flight"
         chat(base_url, [{"role": "user", "content": "ping"}], max_tokens=1)
         quiet = quiet + 1 if metric(base_url, "sglang:hiradix_transfers_in_flight", **labels) == 0 else 0
+
+
+def fake_sglang(tmp_path: Path, launch_server_source: str) -> dict[str, str]:
+    """A package ``sglang`` whose ``launch_server`` module is ``launch_server_source``, under
+    ``tmp_path/fake``; the environment that puts it ahead of the real one (``ServerProcess(env=...)``)."""
+    package = tmp_path / "fake" / "sglang"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "launch_server.py").write_text(launch_server_source)
+    return {"PYTHONPATH": str(tmp_path / "fake")}
