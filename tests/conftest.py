@@ -123,8 +123,9 @@ def stock_outputs(stock_server) -> list[list[dict]]:
 def pytest_runtest_makereport(item, call):
     """A failed test (its call or its setup) while processes the testing helpers started are alive
     (servers with their schedulers, detokenizers and I/O workers, routers, Mooncake processes)
-    gets their stacks (py-spy) and log tails in its report, and a copy of their logs under
-    ``hiradix.testing.diagnose.failure_dir()`` (``.ci/run`` prints it). Runs before the fixtures'
+    gets a summary of their stacks (py-spy) and log tails in its report, and the whole snapshot
+    with a copy of their logs under ``hiradix.testing.diagnose.failure_dir()`` (``.ci/run`` prints
+    the summaries at its end). Runs before the fixtures'
     teardown stops them; a readiness wait that times out inside a fixture puts its own snapshot in
     its error (``ServerProcess.wait_healthy``)."""
     outcome = yield
@@ -138,5 +139,5 @@ def pytest_runtest_makereport(item, call):
         return
     text = diagnose.snapshot(processes)
     target = diagnose.save_failure(f"{item.nodeid}-{report.when}", text, processes)
-    report.sections.append(("hiradix: stacks and logs of the processes this test started", text))
-    report.sections.append(("hiradix: failure directory", str(target)))
+    report.sections.append(("hiradix: the processes this test started (summary)", diagnose.summary_of(text)))
+    report.sections.append(("hiradix: every stack and whole logs", f"{target}/snapshot.txt and the logs beside it"))

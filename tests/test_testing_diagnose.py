@@ -5,7 +5,9 @@ other time."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -41,6 +43,12 @@ def test_a_readiness_timeout_reports_every_process_stack_and_the_log(stuck_sglan
     # the launcher's and its child's Python frames, read by py-spy before the stop
     assert "launcher_waits_forever" in message and "child_waits_forever" in message, message
     assert "stuck sglang starting" in message  # the log's tail
+    # the summary at its head: each process's main thread with its innermost frames, the log's tail
+    summary = diagnose.summary_of(message)
+    assert summary != message and "MiB available" in summary, summary
+    assert "MainThread (idle): launcher_waits_forever launch_server.py:" in summary, summary
+    assert "MainThread (idle): child_waits_forever" in summary, summary
+    assert "  | stuck sglang starting" in summary, summary
     assert server not in diagnose.watched()  # stopped, so no longer watched
 
 
@@ -118,3 +126,47 @@ def test_flake_hunt_refuses_zero_runs_and_no_tests(capsys):
     with pytest.raises(SystemExit):
         flake_hunt.main(["--runs", "2"])
     assert "name the tests" in capsys.readouterr().err
+
+
+# A test that says it runs, then waits; its fixture's teardown leaves a mark (as a server
+# fixture's teardown stops its servers).
+WAITING_TEST = textwrap.dedent('''
+    import time
+    from pathlib import Path
+    import pytest
+
+    HERE = Path(__file__).parent
+
+    @pytest.fixture
+    def marked():
+        yield
+        (HERE / "teardown-ran").write_text("yes")
+
+    def test_waits(marked):
+        (HERE / "started").write_text("yes")
+        time.sleep(600)
+''')
+
+
+def test_a_stopped_flake_hunt_lets_pytest_tear_down_and_removes_its_worktree(tmp_path):
+    test_file = tmp_path / "test_waiting.py"
+    test_file.write_text(WAITING_TEST)
+    hunt = subprocess.Popen([sys.executable, "-m", "hiradix.testing.flake_hunt", "--runs", "2", "--out",
+                             str(tmp_path / "out"), str(test_file)], cwd=flake_hunt.ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "started").exists() and time.monotonic() < deadline and hunt.poll() is None:
+            time.sleep(0.1)  # pytest starts in a fresh worktree (a few seconds)
+        assert (tmp_path / "started").exists(), "the hunted test never started"
+        hunt.send_signal(signal.SIGTERM)
+        out, _ = hunt.communicate(timeout=60)
+    finally:
+        if hunt.poll() is None:
+            hunt.kill()
+    assert hunt.returncode == 143, out
+    assert "stopped (SIGTERM)" in out, out
+    assert (tmp_path / "teardown-ran").read_text() == "yes"  # pytest got SIGINT and tore down
+    listed = subprocess.run(["git", "worktree", "list"], cwd=flake_hunt.ROOT, capture_output=True, text=True,
+                            check=True).stdout  # fmt: skip
+    assert "hiradix-flake-" not in listed

@@ -61,6 +61,7 @@ An unknown key or a bad value makes the worker answer ``StartFailed`` and exit 1
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -230,9 +231,10 @@ class Worker:
         took_s = running() if running is not None else 0.0
         if took_s <= self.store_call_limit_s:
             return False
-        logger.error("a cluster-store call has run for %.1f s (limit %.1f s): the store client is wedged; exiting "
-                     "so that the I/O client fails this worker's %d jobs and starts a fresh one",
-                     took_s, self.store_call_limit_s, len(self.in_flight))
+        logger.error("a cluster-store call (%s) has run for %.1f s (limit %.1f s): the store client is wedged; "
+                     "exiting so that the I/O client fails this worker's %d jobs and starts a fresh one",
+                     getattr(self.cluster, "running_call", "?"), took_s, self.store_call_limit_s, len(self.in_flight))
+        dump_own_stacks()
         return True
 
     def _handle(self, msg: StorePages | LoadPages | Ping) -> None:
@@ -337,6 +339,14 @@ class Worker:
             if self.cluster is not None:
                 self.cluster.close()
             self.pool.close()
+
+
+def dump_own_stacks() -> None:
+    """Every thread's Python stack of this process into its log (stderr, at once): where the
+    wedged store call waits. (Its native frames, measured once: Mooncake's
+    ``ClientSession::refreshProgressDeadline`` waiting on asio's reactor mutex; see
+    ``hiradix.tiers.store.mooncake``.)"""
+    faulthandler.dump_traceback(all_threads=True)
 
 
 def _derived_call_limit_s(cluster) -> float:

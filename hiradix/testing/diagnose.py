@@ -138,15 +138,100 @@ def log_tail(path: Path, num_lines: int = LOG_TAIL_LINES) -> str:
 
 
 def snapshot(processes: Iterable[Watched] | None = None, num_lines: int = LOG_TAIL_LINES) -> str:
-    """Stacks of every process (default: every watched one) and the tails of their logs, as text."""
+    """Stacks of every process (default: every watched one) and the tails of their logs, as text:
+    a short summary first (:func:`summarize`), then every stack and log tail in full."""
     processes = watched() if processes is None else list(processes)
-    parts = [f"=== hiradix process snapshot, {time.strftime('%Y-%m-%d %H:%M:%S')}, {len(processes)} started here ==="]
-    for process in processes:
+    dumps = [(process, [(pid, describe(pid), stack_of(pid)) for pid in process.pids()]) for process in processes]
+    parts = [f"=== hiradix process snapshot, {time.strftime('%Y-%m-%d %H:%M:%S')}, {len(processes)} started here ===",
+             summarize(dumps), SUMMARY_END]  # fmt: skip
+    for process, pids in dumps:
         parts.append(f"\n##### {process.label} (log {process.log_path})")
-        for pid in process.pids():
-            parts.append(f"--- {describe(pid)}\n{stack_of(pid)}")
+        for _pid, description, stack in pids:
+            parts.append(f"--- {description}\n{stack}")
         parts.append(f"--- last {num_lines} lines of {process.log_path}:\n{log_tail(process.log_path, num_lines)}")
     return "\n".join(parts)
+
+
+SUMMARY_END = "=== end of summary; every stack and log tail in full below ==="
+SUMMARY_FRAMES = 3  # innermost Python frames per thread in the summary
+SUMMARY_LOG_LINES = 5  # last lines of each log in the summary, each cut to SUMMARY_LINE_CHARS
+SUMMARY_LINE_CHARS = 240
+_THREAD = re.compile(r'^Thread (\d+) \(([^)]*)\)(?:: "(.*)")?')
+_PY_FRAME = re.compile(r"^\s+(\S+) \(([^()]*\.py|<[^<>]*>):(\d+)\)")  # a Python frame, not a native one
+
+
+def summarize(dumps: list[tuple[Watched, list[tuple[int, str, str]]]]) -> str:
+    """One block per process, short enough to read in a CI log's tail: the machine's free memory and
+    load, then per PID its state, RSS and CPU seconds, per thread that is busy (plus every main
+    thread) its innermost Python frames, innermost first, and the last lines of its log."""
+    memory = psutil.virtual_memory()
+    lines = [f"machine: {memory.available / 2**20:,.0f} MiB of {memory.total / 2**20:,.0f} MiB available, "
+             f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}"]  # fmt: skip
+    for process, pids in dumps:
+        lines.append(f"{process.label}:")
+        for pid, _description, stack in pids:
+            lines.append(f"  {_usage(pid)}")
+            lines.extend(f"    {thread}" for thread in busy_threads(stack, pid))
+        for line in problem_lines(process.log_path):
+            lines.append(f"  ! {line[:SUMMARY_LINE_CHARS]}")
+        for line in log_tail(process.log_path, SUMMARY_LOG_LINES).splitlines():
+            lines.append(f"  | {line[:SUMMARY_LINE_CHARS]}")
+    return "\n".join(lines)
+
+
+# A log line that reports trouble: glog's warning and error lines (Mooncake), Python's
+# tracebacks and exceptions, failed or timed-out work.
+# (hiradix's own counters, "failed={...}" and "0 failed)", are not trouble.)
+_PROBLEM = re.compile(r"^[EWF]\d{4} |Traceback|Error|Exception|[Ff]ailed(?![=)])|[Tt]imed out|not alive|rejection|WARN")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def problem_lines(path: Path, count: int = SUMMARY_LOG_LINES) -> list[str]:
+    """The last ``count`` distinct lines of a log that report trouble (:data:`_PROBLEM`), oldest
+    first, each with how often it came; a launch's ``server_args=`` line is left out."""
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+    except OSError:
+        return []
+    seen: dict[str, int] = {}  # line without its time stamp -> times seen, in order of last sight
+    for line in _ANSI.sub("", text).splitlines():
+        if _PROBLEM.search(line) and "server_args=" not in line:
+            key = re.sub(r"^\[[^]]*\] |^([EWF])\d{4} [\d:.]+ +\d+ ", r"\1 ", line).strip()
+            seen[key] = seen.pop(key, 0) + 1
+    return [f"{line} (x{times})" if times > 1 else line for line, times in list(seen.items())[-count:]]
+
+
+def summary_of(snapshot_text: str) -> str:
+    """The summary at the head of a :func:`snapshot` (all of it if it has none)."""
+    return snapshot_text.split(SUMMARY_END, 1)[0].rstrip()
+
+
+def _usage(pid: int) -> str:
+    try:
+        process = psutil.Process(pid)
+        with process.oneshot():
+            cpu = process.cpu_times()
+            return (f"pid {pid} {process.name()} [{process.status()}] rss {process.memory_info().rss / 2**20:,.0f} MiB, "
+                    f"cpu {cpu.user + cpu.system:.1f} s")  # fmt: skip
+    except psutil.Error as exc:
+        return f"pid {pid}: {exc.__class__.__name__}"
+
+
+def busy_threads(stack: str, pid: int, frames: int = SUMMARY_FRAMES) -> list[str]:
+    """``name (state): f1 file:line < f2 < ...`` for each thread of process ``pid``'s py-spy dump
+    that is not idle, and for its main thread (py-spy leaves a lone thread unnamed; its id is the
+    PID); [] for a dump that is not py-spy's (a ``/proc`` thread list)."""
+    threads: list[tuple[str, bool, list[str]]] = []
+    for line in stack.splitlines():
+        head = _THREAD.match(line)
+        if head:
+            name = head.group(3) or ("MainThread" if head.group(1) == str(pid) else head.group(1))
+            threads.append((f"{name} ({head.group(2)})", head.group(2) != "idle" or name == "MainThread", []))
+            continue
+        frame = _PY_FRAME.match(line)
+        if frame and threads and len(threads[-1][2]) < frames:
+            threads[-1][2].append(f"{frame.group(1)} {os.path.basename(frame.group(2))}:{frame.group(3)}")
+    return [f"{title}: {' < '.join(calls) or '(no Python frames)'}" for title, shown, calls in threads if shown]
 
 
 def failure_dir() -> Path:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -92,10 +93,44 @@ def run_once(index: int, tree: Path, out: Path, pytest_args: list[str], timeout_
            f"--junitxml={run_dir / 'junit.xml'}", *pytest_args]  # fmt: skip
     t0 = time.monotonic()
     with open(run_dir / "pytest.log", "wb") as log:
-        status = subprocess.run(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        status = _run_pytest(cmd, tree, env, log)
     failures = run_dir / "failures"
     dirs = sorted(str(p) for p in failures.iterdir()) if failures.is_dir() else []
     return RunResult(index, status, round(time.monotonic() - t0, 1), failures_in_junit(run_dir / "junit.xml"), dirs)
+
+
+TEARDOWN_WAIT_S = 180.0  # how long a stopped hunt waits for its pytest's fixtures to stop their servers
+
+
+class HuntStopped(Exception):
+    """SIGTERM reached the hunt (its pytest was interrupted, its worktree is removed)."""
+
+
+def _run_pytest(cmd: list[str], tree: Path, env: dict[str, str], log) -> int:
+    """Run one pytest; its exit status. On SIGTERM pass it on as SIGINT (pytest then runs its
+    fixtures' teardown, which stops the servers it started by PID), give it
+    ``TEARDOWN_WAIT_S`` to end (then SIGKILL), and raise :class:`HuntStopped`."""
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
+    stopped_at: list[float] = []
+
+    def on_sigterm(*_: object) -> None:
+        stopped_at.append(time.monotonic())
+        proc.send_signal(signal.SIGINT)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        while True:
+            try:
+                status = proc.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                if stopped_at and time.monotonic() - stopped_at[0] > TEARDOWN_WAIT_S:
+                    proc.kill()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if stopped_at:
+        raise HuntStopped()
+    return status
 
 
 def print_summary(summary: dict, out: Path) -> None:
@@ -134,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[flake-hunt] run {index}: exit {runs[-1].exit_status} in {runs[-1].duration_s:.0f} s", flush=True)
             if runs[-1].exit_status != 0 and not args.keep_going:
                 break
+    except HuntStopped:
+        print("[flake-hunt] stopped (SIGTERM): the running pytest was interrupted and has stopped", flush=True)
+        return 143
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
     summary = summarize(runs)

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from hiradix.testing import diagnose
-from hiradix.testing.server import freeze_process, pick_free_port
+from hiradix.testing.server import freeze_process, launch_env, pick_free_port
 from hiradix.tiers.store.base import StoreConfig
 
 logger = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ class MooncakeCluster:
         self.holder_ports = [pick_free_port() for _ in range(num_holders)]
         self._master: Optional[_Proc] = None
         self._holders: list[Optional[_Proc]] = [None] * num_holders
-        self._env = {**os.environ, "MC_TCP_BIND_ADDRESS": LOOPBACK}
+        self._env = launch_env({"MC_TCP_BIND_ADDRESS": LOOPBACK})
         self.startup_s: dict[str, float] = {}  # label -> seconds from spawn to ready
 
     # ---------------------------------------------------------------------------- addresses

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from hiradix.testing import diagnose
-from hiradix.testing.server import pick_free_port
+from hiradix.testing.server import launch_env, pick_free_port
 
 
 class RouterStartError(RuntimeError):
@@ -106,7 +106,7 @@ class RouterProcess:
             RouterStartError: it exited, or was not ready within ``timeout_s``.
         """
         self._log = open(self.log_path, "ab")
-        env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
+        env = launch_env({"NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"})
         self._proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True)
         diagnose.watch(self)

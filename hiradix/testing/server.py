@@ -91,6 +91,26 @@ def cpu_args(max_total_tokens: int) -> list[str]:
     ]  # fmt: skip
 
 
+# Variables of a Mooncake client (transfer engine and store: `MC_TCP_STATUS_TIMEOUT_SEC`,
+# `MC_TCP_PROGRESS_TIMEOUT_SEC`, `MC_RPC_TIMEOUT_MS`, ...), read by every Mooncake client in a
+# process at every transfer.
+MOONCAKE_ENV_PREFIX = "MC_"
+
+
+def launch_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a process started by the testing helpers gets: this process's
+    environment without Mooncake client variables (``MC_*``), then ``env`` on top.
+
+    A Mooncake Store client opened in the test process (``hiradix.tiers.store.mooncake``) sets
+    its ``MC_*`` settings process-wide, and a server started after it would inherit them: a CI
+    run's PD pair got the reader's 2-second TCP transfer deadlines in SGLang's own KV transfer
+    engine and failed a chat when one transfer stalled for 2 s on the loaded machine. A
+    server's Mooncake settings come from its own flags and ``env`` only.
+    """
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(MOONCAKE_ENV_PREFIX)}
+    return {**inherited, **(env or {})}
+
+
 def cpu_env(tp_size: int = 1, threads_per_rank: int | None = 1) -> dict[str, str]:
     """Environment variables SGLang 0.5.23 needs on a CPU-only machine.
 
@@ -240,7 +260,8 @@ class ServerProcess:
             model_path: Model directory (or HF id) for `--model-path`.
             port: HTTP port; None picks a free one (see `pick_server_port`).
             extra_args: More `launch_server` flags, e.g. `cpu_args(4096) + ["--enable-hiradix"]`.
-            env: Variables added to (and overriding) this process's environment, e.g. `cpu_env()`.
+            env: Variables added to (and overriding) this process's environment (less its
+                Mooncake client variables: `launch_env`), e.g. `cpu_env()`.
             log_path: Where to write the server log; None uses a temporary file (kept).
             host: Bind address.
             startup_timeout_s: Seconds to wait for `/health` before giving up.
@@ -332,7 +353,7 @@ class ServerProcess:
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **self.env},
+            env=launch_env(self.env),
             start_new_session=True,
         )
         diagnose.watch(self)

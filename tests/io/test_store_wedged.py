@@ -29,7 +29,7 @@ MARGIN_S = 4.0  # poll period, exit and scheduling noise on a shared 2-core mach
 
 
 @requires_mooncake
-def test_a_store_call_past_its_limit_ends_the_worker_and_fails_its_jobs(spec, pool, tmp_path, caplog):
+def test_a_store_call_past_its_limit_ends_the_worker_and_fails_its_jobs(spec, pool, tmp_path, caplog, capfd):
     caplog.set_level(logging.WARNING, logger="hiradix.io.client")
     with MooncakeCluster(num_holders=1, holder_segment_bytes=MIN_SEGMENT_BYTES, log_dir=tmp_path,
                          transfer_timeout_s=TRANSFER_TIMEOUT_S) as cluster:  # fmt: skip
@@ -54,6 +54,10 @@ def test_a_store_call_past_its_limit_ends_the_worker_and_fails_its_jobs(spec, po
                 cluster.thaw_holder(0)
             assert LIMIT_S <= elapsed_s < LIMIT_S + MARGIN_S, elapsed_s
             assert f"died with status {WEDGED_STORE_EXIT_CODE}" in caplog.text
+            # the worker's log names the call and shows where it waits (every thread's stack)
+            worker_log = capfd.readouterr().err
+            assert "a cluster-store call (batch_put_from_multi_buffers, 4 keys) has run for" in worker_log, worker_log
+            assert "in _call" in worker_log and "Thread 0x" in worker_log, worker_log
             assert client.respawns == 1 and client.pid not in (None, pid)
             assert client.store_wedges == 1 and not client.disabled
             # the fresh worker has a fresh store client: what the first put stored reads back

@@ -147,6 +147,7 @@ class MooncakeStore:
         self._regions: list[tuple[int, int]] = []
         self._master_down = False
         self._call_started_s: Optional[float] = None  # monotonic start of the Mooncake call running now
+        self.running_call = ""  # the Mooncake call running now ("batch_put_from, 12 keys"), '' when none
         os.environ.update(mooncake_env(config))
         from mooncake.store import MooncakeDistributedStore  # lazy: the wheel is optional
 
@@ -313,6 +314,8 @@ class MooncakeStore:
         return None
 
     def _call(self, method: str, *args: Any) -> Optional[list[int]]:
+        keys = args[0] if args and isinstance(args[0], list) else ()
+        self.running_call = f"{method}, {len(keys)} keys"
         self._call_started_s = time.monotonic()
         try:
             return list(getattr(self._store, method)(*args))
