@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,26 @@ def pytest_runtest_makereport(item, call):
     target = diagnose.save_failure(f"{item.nodeid}-{report.when}", text, processes)
     report.sections.append(("hiradix: the processes this test started (summary)", diagnose.summary_of(text)))
     report.sections.append(("hiradix: every stack and whole logs", f"{target}/snapshot.txt and the logs beside it"))
+
+
+# Wall seconds per test file (its tests' setup, call and teardown, module fixtures included),
+# listed at the end of the run: where the suite's time goes, by module (issue 30's 20 minutes).
+_FILE_WALL_S: dict[str, float] = {}
+SLOWEST_FILES = 15
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    started = time.monotonic()
+    yield
+    path = item.nodeid.split("::", 1)[0]
+    _FILE_WALL_S[path] = _FILE_WALL_S.get(path, 0.0) + time.monotonic() - started
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _FILE_WALL_S:
+        return
+    total_s = sum(_FILE_WALL_S.values())
+    terminalreporter.section(f"slowest {SLOWEST_FILES} test files (wall seconds, of {total_s:,.0f} s in tests)")
+    for path, took_s in sorted(_FILE_WALL_S.items(), key=lambda kv: -kv[1])[:SLOWEST_FILES]:
+        terminalreporter.write_line(f"{took_s:8.1f} s  {path}")
