@@ -63,6 +63,7 @@ if __package__ in (None, ""):  # run as a file: python bench/soak/fleet.py
 from bench.soak.fleet_checks import MIB, Flatness, Sample, flat_violations, flatness, page_bytes
 from bench.soak.fleet_load import MODEL, FleetLoad, RetryWindow, SkewedLoad
 from bench.soak.fleet_plot import plot_resources
+from bench.soak.fleet_ttft import phase_line, ttft_by_phase
 from bench.soak.observe import (
     LogScanner, Snapshot, flush_and_check, integrity_checking_on, process_alive, quiet_snapshot, server_usage, settled_snapshot,
     snapshot_diffs, worker_socket_dir,
@@ -167,6 +168,7 @@ class FleetReport(msgspec.Struct):
     store_object_bound: int = 0  # objects the holders can hold (capacity / page bytes)
     store_objects_max: int = 0
     samples: list[Sample] = msgspec.field(default_factory=list)
+    ttft_by_phase: list[dict[str, Any]] = msgspec.field(default_factory=list)  # bench.soak.fleet_ttft
 
 
 @dataclass
@@ -453,6 +455,8 @@ def judge(fleet: Fleet, load: FleetLoad) -> None:
     """All end checks into `fleet.report` (the servers still running)."""
     r, c = fleet.report, fleet.config
     r.load = dataclasses.asdict(load.stats)
+    shift_s = load.t0 - fleet.t0  # events are timed from the fleet's start, turns from the load's
+    r.ttft_by_phase = ttft_by_phase([dataclasses.replace(t, start_s=t.start_s + shift_s) for t in load.ttft], r.events)
     r.violations += load.stats.violations()
     r.router_requests_per_worker = fleet.router.requests_per_worker()
     r.router_worker_retries = sum(v for _, v in fleet.router.samples("smg_worker_retries_total"))
@@ -575,6 +579,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if life.rss:
                 print(f"[soak-fleet] server {name} life from t={life.started_t_s}s: RSS first/last quarter "
                       f"{life.rss.first_quarter_median / MIB:.1f}/{life.rss.last_quarter_median / MIB:.1f} MiB")
+    for row in r.ttft_by_phase:
+        print(f"[soak-fleet] {phase_line(row)}")
     for violation in r.violations:
         print(f"[soak-fleet] VIOLATION: {violation}")
     print(f"[soak-fleet] {'ok' if r.ok else 'FAILED'} in {r.wall_s} s; report {config.out_dir / 'soak_report.json'}")
