@@ -455,8 +455,7 @@ def judge(fleet: Fleet, load: FleetLoad) -> None:
     """All end checks into `fleet.report` (the servers still running)."""
     r, c = fleet.report, fleet.config
     r.load = dataclasses.asdict(load.stats)
-    shift_s = load.t0 - fleet.t0  # events are timed from the fleet's start, turns from the load's
-    r.ttft_by_phase = ttft_by_phase([dataclasses.replace(t, start_s=t.start_s + shift_s) for t in load.ttft], r.events)
+    r.ttft_by_phase = ttft_by_phase(load.ttft, r.events, fleet.t0)
     r.violations += load.stats.violations()
     r.router_requests_per_worker = fleet.router.requests_per_worker()
     r.router_worker_retries = sum(v for _, v in fleet.router.samples("smg_worker_retries_total"))

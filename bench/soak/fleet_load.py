@@ -143,12 +143,10 @@ class FleetLoad:
         self._gate.set()
         self._inflight = 0
         self._idle = asyncio.Condition()
-        self.t0 = time.monotonic()  # the load's start (`run` resets it)
         self.ttft: list[TtftSample] = []  # every answered turn (bench.soak.fleet_ttft)
 
     async def run(self, http: aiohttp.ClientSession) -> None:
         """Until `stop`: every slot replays sessions turn by turn."""
-        self.t0 = time.monotonic()
         hot = [self._slot(http, i, self.hot_feed) for i in range(self.load.hot_slots)]
         short = [self._slot(http, self.load.hot_slots + i, self.short_feed) for i in range(self.load.short_slots)]
         await asyncio.gather(*hot, *short)
@@ -214,7 +212,7 @@ class FleetLoad:
             s.retries_answered += 1
         s.turns += 1
         s.routed.add(routed)
-        self.ttft.append(TtftSample(round(routed.start_s - self.t0, 3), routed.ttft_s, stock.ttft_s if stock.ok else None))
+        self.ttft.append(TtftSample(routed.start_s, routed.ttft_s, stock.ttft_s if stock.ok else None))
         if not stock.ok:
             s.stock_failures += 1
             s.note_error(f"{session.session_id} turn {turn} stock: {stock.error}")

@@ -9,45 +9,40 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class TtftSample:
-    """One answered turn: when its routed request started (seconds since the load's start) and
-    both systems' TTFT in seconds (None where a stream carried no content)."""
+    """One answered turn: when its routed request started (``time.monotonic()``) and both
+    systems' TTFT in seconds (None where a stream carried no content)."""
 
     start_s: float
     routed_ttft_s: float | None
     stock_ttft_s: float | None
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The nearest-rank ``q``-th percentile (0 < q <= 100) of ``values``; None if empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
-
-
-def ttft_by_phase(samples: list[TtftSample], events: list[tuple[str, float, float]]) -> list[dict]:
-    """One row per phase: its name, bounds (seconds since the load's start), turns, and the
-    median and p99 TTFT in milliseconds of the routed and the stock answers.
+def ttft_by_phase(samples: list[TtftSample], events: list[tuple[str, float, float]], origin_s: float) -> list[dict]:
+    """One row per phase: its name, bounds (seconds since ``origin_s``), turns, and the median
+    and p99 TTFT in milliseconds of the routed and the stock answers.
 
     Args:
         samples: the answered turns.
-        events: ``(name, t_s, seconds taken)`` in time order, as in the soak's report.
+        events: ``(name, t_s, seconds taken)`` in time order, ``t_s`` counted from ``origin_s``,
+            as in the soak's report.
+        origin_s: the ``time.monotonic()`` the events are counted from.
     """
     bounds = [("start", 0.0)] + [(name, t_s) for name, t_s, _ in events]
     rows = []
     for i, (name, begin_s) in enumerate(bounds):
         end_s = bounds[i + 1][1] if i + 1 < len(bounds) else math.inf
-        inside = [s for s in samples if begin_s <= s.start_s < end_s]
+        inside = [s for s in samples if begin_s <= s.start_s - origin_s < end_s]
         row: dict = {"phase": f"from {name}", "begin_s": begin_s, "end_s": None if end_s == math.inf else end_s,
                      "turns": len(inside)}  # fmt: skip
         for system in ("routed", "stock"):
             values = [v for s in inside if (v := getattr(s, f"{system}_ttft_s")) is not None]
             for label, q in (("p50", 50), ("p99", 99)):
-                value = percentile(values, q)
-                row[f"{system}_{label}_ms"] = None if value is None else round(value * 1000, 1)
+                row[f"{system}_{label}_ms"] = round(float(np.percentile(values, q)) * 1000, 1) if values else None
         rows.append(row)
     return rows
 

@@ -184,6 +184,7 @@ def summarize(dumps: list[tuple[Watched, list[tuple[int, str, str]]]]) -> str:
 # (hiradix's own counters, "failed={...}" and "0 failed)", are not trouble.)
 _PROBLEM = re.compile(r"^[EWF]\d{4} |Traceback|Error|Exception|[Ff]ailed(?![=)])|[Tt]imed out|not alive|rejection|WARN")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_STAMP = re.compile(r"^\[[^]]*\] |^([EWF])\d{4} [\d:.]+ +\d+ ")  # SGLang's "[time] ", glog's "E1206 08:17:42.3 5299 "
 
 
 def problem_lines(path: Path, count: int = SUMMARY_LOG_LINES) -> list[str]:
@@ -196,7 +197,7 @@ def problem_lines(path: Path, count: int = SUMMARY_LOG_LINES) -> list[str]:
     seen: dict[str, int] = {}  # line without its time stamp -> times seen, in order of last sight
     for line in _ANSI.sub("", text).splitlines():
         if _PROBLEM.search(line) and "server_args=" not in line:
-            key = re.sub(r"^\[[^]]*\] |^([EWF])\d{4} [\d:.]+ +\d+ ", r"\1 ", line).strip()
+            key = _STAMP.sub(r"\1 ", line).strip()
             seen[key] = seen.pop(key, 0) + 1
     return [f"{line} (x{times})" if times > 1 else line for line, times in list(seen.items())[-count:]]
 

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from hiradix.testing.mooncake import MooncakeCluster
-from hiradix.testing.server import MOONCAKE_ENV_PREFIX
 from hiradix.tiers.store.base import make_backend
 
 
@@ -21,14 +18,8 @@ def store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def store_reader(store):
-    """A client of the module's store in the test process (checks which pages servers PUT).
-    Its ``MC_*`` settings, which a Mooncake client sets process-wide, go when it closes (the
-    testing helpers never pass them on to a process they start: ``launch_env``)."""
-    before = {k: v for k, v in os.environ.items() if k.startswith(MOONCAKE_ENV_PREFIX)}
-    try:
-        with make_backend("mooncake", store.config()) as reader:
-            yield reader
-    finally:
-        for name in [k for k in os.environ if k.startswith(MOONCAKE_ENV_PREFIX)]:
-            del os.environ[name]
-        os.environ.update(before)
+    """A client of the module's store in the test process (checks which pages servers PUT). Its
+    ``MC_*`` settings, which a Mooncake client sets process-wide, never reach a process the
+    testing helpers start (``hiradix.testing.server.launch_env``)."""
+    with make_backend("mooncake", store.config()) as reader:
+        yield reader

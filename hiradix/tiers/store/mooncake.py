@@ -146,8 +146,8 @@ class MooncakeStore:
         self._lock = threading.Lock()
         self._regions: list[tuple[int, int]] = []
         self._master_down = False
-        self._call_started_s: Optional[float] = None  # monotonic start of the Mooncake call running now
-        self.running_call = ""  # the Mooncake call running now ("batch_put_from, 12 keys"), '' when none
+        # The Mooncake call running now: ("batch_put_from_multi_buffers, 12 keys", monotonic start).
+        self._running: Optional[tuple[str, float]] = None
         os.environ.update(mooncake_env(config))
         from mooncake.store import MooncakeDistributedStore  # lazy: the wheel is optional
 
@@ -229,8 +229,14 @@ class MooncakeStore:
     def call_running_s(self) -> float:
         """Seconds the Mooncake call running now has taken; 0.0 when none runs. Thread-safe
         (no lock: it is read while a call holds it)."""
-        started = self._call_started_s
-        return 0.0 if started is None else max(0.0, time.monotonic() - started)
+        running = self._running
+        return 0.0 if running is None else max(0.0, time.monotonic() - running[1])
+
+    @property
+    def running_call(self) -> str:
+        """The Mooncake call running now (method and key count), '' when none. Thread-safe."""
+        running = self._running
+        return "" if running is None else running[0]
 
     def close(self) -> None:
         """Leave the store (objects in this client's own segment go with it); idempotent.
@@ -315,15 +321,14 @@ class MooncakeStore:
 
     def _call(self, method: str, *args: Any) -> Optional[list[int]]:
         keys = args[0] if args and isinstance(args[0], list) else ()
-        self.running_call = f"{method}, {len(keys)} keys"
-        self._call_started_s = time.monotonic()
+        self._running = (f"{method}, {len(keys)} keys", time.monotonic())
         try:
             return list(getattr(self._store, method)(*args))
         except Exception as exc:  # noqa: BLE001 - a store failure is a miss, never a crash
             logger.warning("Mooncake %s raised %s: %s", method, type(exc).__name__, exc)
             return None
         finally:
-            self._call_started_s = None
+            self._running = None
 
     def _count(self, codes: list[int]) -> None:
         for code in codes:
