@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -63,6 +64,18 @@ from hiradix.io.protocol import (
 from hiradix.tiers.files import ensure_private_dir
 
 logger = logging.getLogger(__name__)
+
+
+def exit_description(returncode: int) -> str:
+    """``status N`` for an exit, ``signal SIGSEGV (11)`` for a death by signal (Popen's negative
+    code): a segfault in a native library prints every thread's Python stack into the log above."""
+    if returncode >= 0:
+        return f"status {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = "signal"
+    return f"signal {name} ({-returncode})"
 
 
 class WorkerStartError(RuntimeError):
@@ -391,8 +404,8 @@ class IOWorkerClient:
             return False
         if not worker.exited():
             return True
-        logger.warning("I/O worker pid %d died with status %d; %d jobs in flight fail",
-                       worker.proc.pid, worker.proc.returncode, len(self._in_flight))
+        logger.warning("I/O worker pid %d died with %s; %d jobs in flight fail",
+                       worker.proc.pid, exit_description(worker.proc.returncode), len(self._in_flight))
         self._drain(worker)  # completions it sent before dying still count
         for job_id in list(self._in_flight):
             self._fail(job_id, "worker died")

@@ -387,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s io-worker[{os.getpid()}] %(levelname)s %(message)s",
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A crash inside a native library (Mooncake's store.so segfaults under load, see
+    # hiradix.tiers.store.mooncake) prints every thread's Python stack into the server's log.
+    faulthandler.enable(all_threads=True)
     import torch
 
     # The cold-tier codec runs on the job threads; torch's own intra-op threads on top of them

@@ -173,10 +173,13 @@ class StoreConfig:
             frozen holder fails a get after this long).
         setup_retries: attempts to reach the master when the client starts.
         device_name: RDMA device names, comma-separated (``""``: auto or TCP).
-        tcp_connection_pool: reuse pooled TCP connections to holders. Off (the default), a
-            stalled holder fails a get after ``transfer_timeout_s``; on, stalled transfers
-            queue behind each other (16 keys took 11-18 s with a 1-2 s timeout); a healthy
-            store may move more bytes per second with it (``bench/micro/store_io.py``; noisy here).
+        tcp_connection_pool: reuse pooled TCP connections to holders (Mooncake's own default).
+            Off (the default): a stalled holder fails a get after ``transfer_timeout_s``. On,
+            with Mooncake 0.3.13: the first get from a frozen holder waits while its stalled
+            transfers queue (16 keys took 14-18 s with a 1-2 s timeout), and after the holder
+            thaws every get from it still fails at once (40 s measured), so a stall cuts this
+            client off that holder until the I/O worker restarts; off, the unpooled path
+            crashes or wedges now and then under load (``hiradix.tiers.store.mooncake``).
         call_limit_s: a store call running longer than this, in whole seconds, means a wedged
             client (Mooncake's TCP transport can deadlock inside a put): the I/O worker exits,
             its jobs fail (misses; their DRAM pages are released) and a fresh worker starts.

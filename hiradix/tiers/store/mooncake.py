@@ -22,12 +22,21 @@ master killed -> -900; frozen -> -901 after ``rpc_timeout_ms``; holder killed ->
 ``exists`` still says present for ~10 s (until the master's client TTL lapses); pool full ->
 put -200; a put of an existing key succeeds and keeps the first object.
 
-A wedged client: under two clients putting into a full store, a put can block forever inside
-Mooncake's TCP transport (``TcpTransport::startTransfer`` -> ``ClientSession::refreshProgressDeadline``
-waits on asio's ``epoll_reactor`` mutex; no deadline applies), and since calls are serialized every
-later call waits behind it. :meth:`MooncakeStore.call_running_s` says how long the running call
-has taken; the I/O worker exits past its limit (its process holds the wedged client), and the
-I/O client fails its jobs and starts a fresh worker.
+A crashing or wedged client: under two clients putting into a full store, Mooncake 0.3.13's
+TCP transport (without its connection pool, hiradix's default) starts each transfer on the
+caller's thread (``TcpTransport::startTransferWithSocket`` -> ``ClientSession::writeHeader`` ->
+``refreshProgressDeadline`` arms the session's deadline timer) while the transport's own thread
+runs the same io_context's timers. Measured (``bench/micro/store_stress.py``; a core and py-spy,
+bench/RESULTS.md): the client segfaults in ``asio::detail::timer_queue::get_ready_timers`` on the
+``TcpTransport::worker`` thread, or a put blocks forever in ``refreshProgressDeadline`` waiting on
+asio's ``epoll_reactor`` mutex (no deadline applies; since calls are serialized every later call
+waits behind it); ``MC_TCP_PROGRESS_TIMEOUT_SEC=0`` still arms the timer and still wedged. With
+the pool neither was seen, but the pool has faults of its own (``tcp_connection_pool`` in
+:class:`StoreConfig`). A crash ends the I/O worker: its jobs fail (misses) and a fresh worker
+starts, and every thread's Python stack is in the server's log (faulthandler). For a wedge,
+:meth:`MooncakeStore.call_running_s` says how long the running call has taken; the I/O worker
+exits past its limit (its process holds the wedged client), and the I/O client fails its jobs
+and starts a fresh worker.
 
 The ``mooncake`` package is imported inside functions only, so hiradix imports without it.
 """
