@@ -18,9 +18,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # suite starts ~50). `session_servers` below keep SGLang's own `spawn`, the start method users get.
 # Set HIRADIX_MP_START_METHOD=spawn to run the whole suite with spawn.
 os.environ.setdefault("HIRADIX_MP_START_METHOD", "fork")
-# And their launchers are forked from a pre-imported one (hiradix.testing.zygote: ~14 s of CPU
-# less per start, what SGLang's imports cost). HIRADIX_TEST_ZYGOTE=0 starts every launcher cold.
-os.environ.setdefault("HIRADIX_TEST_ZYGOTE", "1")
+# HIRADIX_TEST_ZYGOTE=1 forks their launchers from a pre-imported one (hiradix.testing.zygote: ~10 s
+# of CPU less per start). Off by default: in its children setproctitle has no effect (the processes
+# stay "python"), and two e2e tests that need the scheduler's title or the graceful SIGTERM drain
+# failed with it (bench/RESULTS.md).
 
 # Flags that let `sglang.launch_server` run on a CPU-only machine (hiradix.testing.server.cpu_args).
 CPU_SERVER_FLAGS: tuple[str, ...] = tuple(cpu_args(4096))

@@ -17,6 +17,12 @@ from hiradix.testing.server import cpu_env, launch_env
 pytestmark = pytest.mark.e2e
 
 
+@pytest.fixture(autouse=True)
+def _close_zygotes():
+    yield
+    zygote.close_all()
+
+
 def test_forked_launchers_exit_as_cold_ones_with_their_own_args_and_log(tmp_path):
     env = launch_env(cpu_env())
     help_run = zygote.launch(["--help"], env, tmp_path / "help.log")

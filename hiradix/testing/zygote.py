@@ -7,7 +7,10 @@ session starts ~65 servers and ~15 refused launchers. A zygote imports all that 
 forks one child per launch; the child takes the launch's environment, working directory, log
 and arguments and runs ``sglang.launch_server`` as ``__main__`` would.
 
-Opt-in (``HIRADIX_TEST_ZYGOTE=1``, read by :class:`hiradix.testing.server.ServerProcess`).
+Opt-in (``HIRADIX_TEST_ZYGOTE=1``, read by :class:`hiradix.testing.server.ServerProcess`), and
+not ready for the suite: in a forked launcher's processes ``setproctitle`` has no effect (the
+scheduler stays "python", which tests and diagnostics look for), and a server's graceful SIGTERM
+drain was cut short (``tests/e2e/test_e2e_persistence.py``; its launcher killed the scheduler at once).
 What a forked child cannot change: anything read while the zygote imported, so one zygote
 serves only launches whose :data:`IMPORT_TIME_ENV` values equal its own; another set starts
 another zygote. The zygote holds no thread when it forks (checked: it refuses to fork with
