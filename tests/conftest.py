@@ -19,9 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # Set HIRADIX_MP_START_METHOD=spawn to run the whole suite with spawn.
 os.environ.setdefault("HIRADIX_MP_START_METHOD", "fork")
 # HIRADIX_TEST_ZYGOTE=1 forks their launchers from a pre-imported one (hiradix.testing.zygote: ~10 s
-# of CPU less per start). Off by default: in its children setproctitle has no effect (the processes
-# stay "python"), and two e2e tests that need the scheduler's title or the graceful SIGTERM drain
-# failed with it (bench/RESULTS.md).
+# of CPU less per start). Off by default until a whole fresh-clone suite passes with it (bench/RESULTS.md).
 
 # Flags that let `sglang.launch_server` run on a CPU-only machine (hiradix.testing.server.cpu_args).
 CPU_SERVER_FLAGS: tuple[str, ...] = tuple(cpu_args(4096))

@@ -7,10 +7,9 @@ session starts ~65 servers and ~15 refused launchers. A zygote imports all that 
 forks one child per launch; the child takes the launch's environment, working directory, log
 and arguments and runs ``sglang.launch_server`` as ``__main__`` would.
 
-Opt-in (``HIRADIX_TEST_ZYGOTE=1``, read by :class:`hiradix.testing.server.ServerProcess`), and
-not ready for the suite: in a forked launcher's processes ``setproctitle`` has no effect (the
-scheduler stays "python", which tests and diagnostics look for), and a server's graceful SIGTERM
-drain was cut short (``tests/e2e/test_e2e_persistence.py``; its launcher killed the scheduler at once).
+Opt-in (``HIRADIX_TEST_ZYGOTE=1``, read by :class:`hiradix.testing.server.ServerProcess`) until
+a whole suite passes with it: its first fresh-clone run (without the ``setproctitle`` claim in
+:func:`serve`) failed two e2e tests, which pass with it.
 What a forked child cannot change: anything read while the zygote imported, so one zygote
 serves only launches whose :data:`IMPORT_TIME_ENV` values equal its own; another set starts
 another zygote. The zygote holds no thread when it forks (checked: it refuses to fork with
@@ -75,6 +74,9 @@ def _child(request: dict) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = ["sglang.launch_server", *request["argv"]]
+        import setproctitle  # claimed by the zygote (serve): the launcher's title as if started cold
+
+        setproctitle.setproctitle(" ".join([sys.executable, "-m", "sglang.launch_server", *request["argv"]]))
         sys.modules.pop("sglang.launch_server", None)  # run as __main__ (its imports stay loaded)
         runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
         code = 0
@@ -113,6 +115,12 @@ def serve(socket_path: str) -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    # setproctitle claims the argv + environ memory on first use and gives up where the environ
+    # strings are not where the process started them, as after a child's os.environ.clear():
+    # claim it here, before any fork, so the children's titles ("sglang::scheduler") work.
+    import setproctitle
+
+    setproctitle.getproctitle()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(socket_path)
     server.listen(8)
