@@ -70,6 +70,8 @@ def _child(request: dict) -> None:
         os.dup2(null_fd, 0)
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
+        os.close(null_fd)
+        os.close(log_fd)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -92,7 +94,7 @@ def _child(request: dict) -> None:
         os._exit(code)
 
 
-def _answer(request: dict, exited: dict[int, int], server: socket.socket) -> dict:
+def _answer(request: dict, exited: dict[int, int], server: socket.socket, conn: socket.socket) -> dict:
     _reap(exited)
     if request.get("op") == "status":
         return {"returncode": exited.get(request["pid"])}
@@ -101,8 +103,9 @@ def _answer(request: dict, exited: dict[int, int], server: socket.socket) -> dic
     if threading.active_count() > 1:
         return {"error": f"{threading.active_count()} threads; refusing to fork"}
     pid = os.fork()
-    if pid == 0:
+    if pid == 0:  # the launcher keeps none of the zygote's sockets
         server.close()
+        os.close(conn.detach())  # (its makefile would keep a plain close() from closing it)
         _child(request)
     return {"pid": pid}
 
@@ -134,7 +137,7 @@ def serve(socket_path: str) -> None:
             conn, _ = server.accept()
             with conn, conn.makefile("rw") as stream:
                 line = stream.readline()
-                answer = _answer(json.loads(line), exited, server) if line else {"error": "empty request"}
+                answer = _answer(json.loads(line), exited, server, conn) if line else {"error": "empty request"}
                 stream.write(json.dumps(answer) + "\n")
                 stream.flush()
 
