@@ -18,8 +18,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # suite starts ~50). `session_servers` below keep SGLang's own `spawn`, the start method users get.
 # Set HIRADIX_MP_START_METHOD=spawn to run the whole suite with spawn.
 os.environ.setdefault("HIRADIX_MP_START_METHOD", "fork")
-# HIRADIX_TEST_ZYGOTE=1 forks their launchers from a pre-imported one (hiradix.testing.zygote: ~10 s
-# of CPU less per start). Off by default until a whole fresh-clone suite passes with it (bench/RESULTS.md).
+# Their launchers are forked from one that imported SGLang once (hiradix.testing.zygote: ~10 s of
+# CPU less per start). HIRADIX_TEST_ZYGOTE=0 starts every launcher cold.
+os.environ.setdefault("HIRADIX_TEST_ZYGOTE", "1")
 
 # Flags that let `sglang.launch_server` run on a CPU-only machine (hiradix.testing.server.cpu_args).
 CPU_SERVER_FLAGS: tuple[str, ...] = tuple(cpu_args(4096))
