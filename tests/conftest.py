@@ -74,8 +74,9 @@ def session_servers(tiny_model: Path, tmp_path_factory):
     """The two servers most e2e tests share, started together once per session (stopped by
     PID at its end, also on failure): ``stock`` (stock RadixAttention, HBM 32,768 tokens: it
     never evicts here; 2 running, so requests queue) and ``hiradix`` (hiradix defaults, HBM
-    8,192 tokens, DRAM 0.5 GB, an NVMe tier of 0.25 GB), both with SGLang's own ``spawn`` start
-    method (the other test servers fork: see ``HIRADIX_MP_START_METHOD`` above). Tests that need
+    8,192 tokens, DRAM 0.5 GB, an NVMe tier of 0.25 GB), both started as users start them: a
+    cold launcher with SGLang's own ``spawn`` start method (the other test servers fork: see
+    ``HIRADIX_MP_START_METHOD`` and ``HIRADIX_TEST_ZYGOTE`` above). Tests that need
     other flags start their own; tests that use these must not change what another test reads
     (no flush, no fault switches)."""
     from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
@@ -83,7 +84,7 @@ def session_servers(tiny_model: Path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("session_servers")
     nvme = tmp / "nvme"
     nvme.mkdir()
-    env = {**cpu_env(), "HIRADIX_MP_START_METHOD": "spawn"}
+    env = {**cpu_env(), "HIRADIX_MP_START_METHOD": "spawn", "HIRADIX_TEST_ZYGOTE": "0"}  # cold launchers
     servers = {
         "stock": ServerProcess(tiny_model, extra_args=cpu_args(32768) + ["--max-running-requests", "2"],
                                env=env, log_path=tmp / "stock.log"),

@@ -58,7 +58,7 @@ _PORTS_HANDED_OUT: set[int] = set()  # ports picked by this process (not yet bou
 # (sglang/srt/server_args.py PortArgs.init_new, ZMQ_TCP_PORT_DELTA = 233: dist init, tokenizer,
 # detokenizer, rpc, metrics, scheduler input, load collector); a server port keeps them reserved.
 SERVER_DERIVED_PORT_OFFSETS: range = range(233, 240)
-ZYGOTE_ENV = "HIRADIX_TEST_ZYGOTE"  # "1": launchers forked from a pre-imported one (hiradix.testing.zygote)
+ZYGOTE_ENV = "HIRADIX_TEST_ZYGOTE"  # "1" in a server's environment: its launcher forked from a pre-imported one (hiradix.testing.zygote)
 
 
 def cpu_args(max_total_tokens: int) -> list[str]:
@@ -350,8 +350,8 @@ class ServerProcess:
         self._log_file.flush()
         self._spawn_t = time.monotonic()
         env = launch_env(self.env)
-        if os.environ.get(ZYGOTE_ENV) == "1" and cmd[0] == sys.executable and env.get("PYTHONPATH") == os.environ.get("PYTHONPATH"):
-            # opt-in: forked from a pre-imported launcher (hiradix.testing.zygote), ~14 s of CPU less
+        if env.get(ZYGOTE_ENV) == "1" and cmd[0] == sys.executable and env.get("PYTHONPATH") == os.environ.get("PYTHONPATH"):
+            # forked from a pre-imported launcher (hiradix.testing.zygote), ~14 s of CPU less
             self._proc = zygote.launch(cmd[3:], env, self.log_path)
         else:
             self._proc = subprocess.Popen(

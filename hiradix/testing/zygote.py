@@ -4,31 +4,36 @@
 transformers before it parses a flag (measured here, idle: 14.5-14.9 s wall for the imports
 alone, of 16.6 s to a healthy tiny-model server with 15.0 s of CPU in its processes). A test
 session starts ~65 servers and ~15 refused launchers. A zygote imports all that once, then
-forks one child per launch; the child takes the launch's environment, working directory, log
-and arguments and runs ``sglang.launch_server`` as ``__main__`` would.
+forks one child per launch; the child takes the launch's environment, working directory, output
+files and arguments and runs ``-m sglang.launch_server`` (or another ``-m`` module, or ``-c``
+code) as ``__main__`` would.
 
-Opt-in (``HIRADIX_TEST_ZYGOTE=1``, read by :class:`hiradix.testing.server.ServerProcess`) until
-a whole suite passes with it: its first fresh-clone run (without the ``setproctitle`` claim in
-:func:`serve`) failed two e2e tests, which pass with it.
-What a forked child cannot change: anything read while the zygote imported, so one zygote
-serves only launches whose :data:`IMPORT_TIME_ENV` values equal its own; another set starts
-another zygote. The zygote holds no thread when it forks (checked: it refuses to fork with
+On in the tests (``HIRADIX_TEST_ZYGOTE=1``, set by ``tests/conftest.py`` and read by
+:class:`hiradix.testing.server.ServerProcess`); a server whose environment says ``0`` starts
+cold, as the session's shared servers do (what users run).
+What a forked child cannot change: a module already imported (a ``hiradix`` folder in its
+working directory does not shadow the package, as it would cold), and anything read while the
+zygote imported, so one zygote serves only launches whose :data:`IMPORT_TIME_ENV` values equal
+its own; another set starts another zygote. The zygote holds no thread when it forks (checked: it refuses to fork with
 more than one).
 
 Protocol: a Unix stream socket, one connection per request, a JSON line each way; the zygote
 handles one request at a time, reaps its children before each answer and ends when its stdin
 (a pipe from the test process) closes:
 
-    {"op": "spawn", "argv": [...], "env": {...}, "cwd": "...", "log": "..."} -> {"pid": N}
+    {"op": "spawn", "args": ["-m", "sglang.launch_server", ...] | ["-c", code, ...], "env": {...},
+     "cwd": "...", "stdout": path, "stderr": path} -> {"pid": N}   (the same path: one file)
     {"op": "status", "pid": N}  -> {"returncode": null | int}   (negative: killed by that signal)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import runpy
+import signal
 import socket
 import subprocess
 import sys
@@ -60,27 +65,50 @@ def _reap(exited: dict[int, int]) -> None:
         exited[pid] = os.waitstatus_to_exitcode(status)
 
 
+def _redirect(request: dict) -> None:
+    """stdin from /dev/null, stdout and stderr to the request's files (appended)."""
+    def open_out(path: str) -> int:
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    out_fd = open_out(request["stdout"])
+    err_fd = out_fd if request["stderr"] == request["stdout"] else open_out(request["stderr"])
+    null_fd = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null_fd, 0)
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    for fd in {null_fd, out_fd, err_fd}:
+        os.close(fd)
+
+
+def _run_main(args: list[str], cwd: str) -> None:
+    """Run ``python *args`` (``-m module ...`` or ``-c code ...``) in this process as ``__main__``."""
+    kind, target, rest = args[0], args[1], args[2:]
+    if kind == "-m":
+        sys.argv = [target, *rest]
+        sys.path[0] = cwd
+        sys.modules.pop(target, None)  # run as __main__ (its imports stay loaded)
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    elif kind == "-c":
+        sys.argv = ["-c", *rest]
+        sys.path[0] = ""
+        exec(compile(target, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    else:
+        raise ValueError(f"zygote runs -m MODULE or -c CODE, not {kind!r}")
+
+
 def _child(request: dict) -> None:
-    """In the forked child: become the launcher (never returns)."""
+    """In the forked child: become ``python *request["args"]`` (never returns)."""
     code = 1
     try:
         os.setsid()
-        log_fd = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        null_fd = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null_fd, 0)
-        os.dup2(log_fd, 1)
-        os.dup2(log_fd, 2)
-        os.close(null_fd)
-        os.close(log_fd)
+        _redirect(request)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = ["sglang.launch_server", *request["argv"]]
-        import setproctitle  # claimed by the zygote (serve): the launcher's title as if started cold
+        import setproctitle  # claimed by the zygote (serve): the title a cold process would have
 
-        setproctitle.setproctitle(" ".join([sys.executable, "-m", "sglang.launch_server", *request["argv"]]))
-        sys.modules.pop("sglang.launch_server", None)  # run as __main__ (its imports stay loaded)
-        runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+        setproctitle.setproctitle(" ".join([sys.executable, *request["args"]]))
+        _run_main(request["args"], request["cwd"])
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -190,8 +218,13 @@ class Zygote:
             raise ZygoteError(f"zygote refused {request.get('op')}: {answer.get('error', 'no answer')}")
         return answer
 
-    def spawn(self, argv: list[str], env: dict[str, str], cwd: str, log_path: Path) -> ZygoteChild:
-        pid = self.request(op="spawn", argv=list(argv), env=dict(env), cwd=cwd, log=str(log_path))["pid"]
+    def spawn(self, args: list[str], env: dict[str, str], cwd: str, stdout_path: Path,
+              stderr_path: Path | None = None) -> ZygoteChild:
+        """Fork ``python *args`` with ``env`` in ``cwd``, its output appended to ``stdout_path``
+        (and its stderr to ``stderr_path``; None: the same file)."""
+        stderr_path = stdout_path if stderr_path is None else stderr_path
+        pid = self.request(op="spawn", args=list(args), env=dict(env), cwd=str(cwd), stdout=str(stdout_path),
+                           stderr=str(stderr_path))["pid"]  # fmt: skip
         return ZygoteChild(self, pid)
 
     def close(self) -> None:
@@ -211,6 +244,7 @@ class ZygoteChild:
         self.zygote = zygote
         self.pid = pid
         self.returncode: int | None = None
+        self.exit_seen_s: float | None = None  # time.time() when poll() first saw the exit
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -219,6 +253,8 @@ class ZygoteChild:
             except OSError:  # the zygote is gone (its children went to init): alive or not
                 if not _pid_alive(self.pid):
                     self.returncode = UNKNOWN_EXIT
+            if self.returncode is not None:
+                self.exit_seen_s = time.time()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -232,17 +268,82 @@ class ZygoteChild:
 
 _ZYGOTES: dict[tuple, Zygote] = {}
 _ZYGOTES_LOCK = threading.Lock()
+_LOG_DIR: list[Path] = []  # where zygotes started by run() log (one folder per test process)
 
 
-def launch(argv: list[str], env: dict[str, str], log_path: Path) -> ZygoteChild:
-    """Fork ``python -m sglang.launch_server *argv`` from the zygote for ``env``'s import-time
-    values (started on first use, with ``env``; ends with the test process)."""
+def _log_dir() -> Path:
+    with _ZYGOTES_LOCK:
+        if not _LOG_DIR:
+            _LOG_DIR.append(Path(tempfile.mkdtemp(prefix="hiradix-zygote-logs-")))
+        return _LOG_DIR[0]
+
+
+def for_env(env: dict[str, str], log_dir: Path) -> Zygote:
+    """The zygote for ``env``'s import-time values (started on first use, with ``env``, its log in
+    ``log_dir``; it ends with the test process)."""
     key = tuple(env.get(name) for name in IMPORT_TIME_ENV)
     with _ZYGOTES_LOCK:
         zygote = _ZYGOTES.get(key)
         if zygote is None or zygote.proc.poll() is not None:
-            zygote = _ZYGOTES[key] = Zygote(env, log_path.parent / f"zygote-{len(_ZYGOTES)}.log")
-    return zygote.spawn(argv, env, os.getcwd(), log_path)
+            zygote = _ZYGOTES[key] = Zygote(env, Path(log_dir) / f"zygote-{len(_ZYGOTES)}.log")
+    return zygote
+
+
+@dataclasses.dataclass
+class Finished:
+    """A forked process that ran to its end: exit status, output, seconds from its fork."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    elapsed_s: float
+
+
+def run(args: list[str], env: dict[str, str], cwd: str | os.PathLike, timeout_s: float) -> Finished:
+    """Fork ``python *args`` (``-m module ...`` or ``-c code ...``) from the zygote for ``env`` and
+    wait for its end, as ``subprocess.run(..., capture_output=True, text=True)`` would.
+
+    Raises:
+        subprocess.TimeoutExpired: It ran past ``timeout_s`` (its process group is killed first).
+    """
+    forked = for_env(env, _log_dir())
+    with tempfile.TemporaryDirectory(prefix="hiradix-zygote-run-") as out_dir:
+        out = Path(out_dir)
+        start_s = time.monotonic()  # from the fork: the zygote's own start is not the process's
+        child = forked.spawn(args, env, str(cwd), out / "stdout", out / "stderr")
+        try:
+            child.wait(timeout=timeout_s)
+        finally:
+            _kill_group(child)
+        elapsed_s = time.monotonic() - start_s
+        return Finished(child.returncode, (out / "stdout").read_text(), (out / "stderr").read_text(), elapsed_s)
+
+
+def _kill_group(child: ZygoteChild) -> None:
+    """Kill what is left of the child's process group: the child, if it still runs, and any
+    process it started that stayed in its group (by PID: once the child has exited its group id
+    may be reused, so only members created before its exit was seen)."""
+    import psutil
+
+    if child.poll() is None:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)  # the child is not reaped: the group id is still its
+        except ProcessLookupError:
+            pass
+        child.wait(timeout=READY_TIMEOUT_S)
+        return
+    for proc in psutil.process_iter(["pid", "create_time"]):
+        try:
+            if os.getpgid(proc.pid) == child.pid and proc.info["create_time"] < child.exit_seen_s:
+                proc.kill()
+        except (ProcessLookupError, psutil.Error, PermissionError):
+            continue
+
+
+def launch(argv: list[str], env: dict[str, str], log_path: Path) -> ZygoteChild:
+    """Fork ``python -m sglang.launch_server *argv`` (in this process's working directory, its
+    output in ``log_path``) from the zygote for ``env``."""
+    return for_env(env, log_path.parent).spawn(["-m", "sglang.launch_server", *argv], env, os.getcwd(), log_path)
 
 
 def close_all() -> None:

@@ -15,8 +15,10 @@ Servers are stopped by PID (whole process group) also when an assertion fails.
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.helpers.e2e import (
@@ -52,12 +54,22 @@ def spawned_children(server) -> bool:
     return any("multiprocessing.resource_tracker" in " ".join(child.cmdline()) for child in server.descendants())
 
 
+def launcher_parent(server) -> str:
+    """The command line of the process that started the server's launcher."""
+    return " ".join(psutil.Process(server.pid).parent().cmdline())
+
+
 def test_session_servers_spawn_and_fixture_servers_fork_their_processes(hiradix_server, tiered_runs):
-    """The session's servers run SGLang's own start method (``spawn``, what users get); the other
-    test servers fork (patches/p09_cpu_fork_start_method.py), and their scheduler and
-    detokenizer serve the same (the tiered runs match stock: the tests below)."""
+    """The session's servers start as users start them: a cold launcher (a child of this test
+    process) with SGLang's own start method (``spawn``). The other test servers' launchers are
+    forked from the zygote (hiradix.testing.zygote) and fork their processes
+    (patches/p09_cpu_fork_start_method.py); their scheduler and detokenizer serve the same (the
+    tiered runs match stock: the tests below)."""
     assert spawned_children(hiradix_server)
+    assert psutil.Process(hiradix_server.pid).parent().pid == os.getpid()
     assert [tiered_runs[policy + "_spawned"] for policy in ("lru", "lookahead", "predictive")] == [False] * 3
+    parents = [tiered_runs[policy + "_launcher_parent"] for policy in ("lru", "lookahead", "predictive")]
+    assert all("hiradix.testing.zygote" in parent for parent in parents), parents
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +94,7 @@ def tiered_runs(tiny_model: Path, tmp_path_factory) -> dict[str, list[list[dict]
                                        for kind in ("BACKUP", "PROMOTE", "DEMOTE", "PREFETCH")}
             runs[policy + "_log"] = srv.log_text()
             runs[policy + "_spawned"] = spawned_children(srv)
+            runs[policy + "_launcher_parent"] = launcher_parent(srv)
     return runs
 
 
