@@ -50,6 +50,7 @@ DP_SESSIONS, DP_FLAGS = 8, ["--tp-size", "2", "--attn-dp-size", "2", "--max-runn
 
 SESSIONS, TURNS = 8, 3
 PAGE = 16
+IDLE_WINDOW_S = 3.0  # how long an idle DP controller's CPU is measured
 PD_WAITING_TIMEOUT_S = 45  # SGLANG_DISAGGREGATION_WAITING_TIMEOUT of the PD pair, in seconds
 # `--served-model-name default`: the router picks PD workers by model id, and the chats name "default".
 PD_FLAGS = ["--page-size", "16", "--disaggregation-transfer-backend", "mooncake_tcp", "--disable-overlap-schedule",
@@ -201,6 +202,14 @@ def test_dp_attention_ranks_keep_their_own_tiers_and_share_histories_through_the
     assert len(dram_pools_mapped(server)) == 2
     log = server.log_text()
     assert "Traceback" not in log and "IntegrityError" not in log, log[-4000:]
+    # patches/p10: with no request to dispatch, each server's DP controller waits (stock spins a core)
+    controllers = [p for s in (stock, server) for p in s.descendants()
+                   if p.cmdline()[:1] == ["sglang::data_parallel_controller"]]
+    assert len(controllers) == 2, [p.cmdline()[:1] for s in (stock, server) for p in s.descendants()]
+    before = [sum(p.cpu_times()[:2]) for p in controllers]
+    time.sleep(IDLE_WINDOW_S)  # a measurement window: nothing is sent to either server meanwhile
+    used = [sum(p.cpu_times()[:2]) - b for p, b in zip(controllers, before)]
+    assert max(used) < 0.1 * IDLE_WINDOW_S, used  # spinning: ~0.8 of every second on this machine
 
 
 def post_json(url: str, body: dict, timeout_s: float) -> tuple[int, dict]:

@@ -315,6 +315,7 @@ def test_apply_is_idempotent():
     import p07_pd_prefill_host_indices_cpu as p07
     import p08_dp_attention_cpu as p08
     import p09_cpu_fork_start_method as p09
+    import p10_dp_controller_idle_wait as p10
 
     first = subprocess.run([PYTHON, str(PATCHES / "apply.py")], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
@@ -324,14 +325,15 @@ def test_apply_is_idempotent():
              sp / "torchvision/extension.py", sp / "sglang/srt/layers/attention/torch_native_backend.py",
              sp / "sglang/srt/models/deepseek_common/attention_backend_handler.py",
              sp / "sglang/srt/disaggregation/prefill.py", sp / "sglang/srt/layers/rotary_embedding/base.py",
-             sp / "sglang/srt/entrypoints/engine.py", *sorted((sp / "sgl_kernel").glob("*.py"))]
+             sp / "sglang/srt/entrypoints/engine.py", sp / "sglang/srt/managers/data_parallel_controller.py",
+             *sorted((sp / "sgl_kernel").glob("*.py"))]
     files = [f for f in files if f.exists()]
     before = {f: _sha(f) for f in files}
     second = subprocess.run([PYTHON, str(PATCHES / "apply.py")], capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     lines = second.stdout.strip().splitlines()
-    assert len(lines) == 9, second.stdout
-    for module, line in zip((p01, p02, p03, p04, p05, p06, p07, p08, p09), lines):
+    assert len(lines) == 10, second.stdout
+    for module, line in zip((p01, p02, p03, p04, p05, p06, p07, p08, p09, p10), lines):
         assert line.startswith(f"[patches] {module.NAME}: "), line
         assert ": already applied (" in line or ": skipped (" in line, line
     assert {f: _sha(f) for f in files} == before
@@ -346,6 +348,18 @@ def test_fork_start_method_is_opt_in():
     import p09_cpu_fork_start_method as p09
 
     assert '"spawn"' in p09.REPLACEMENT and p09.MARKER in p09.REPLACEMENT  # unset: stock's spawn
+
+
+def test_dp_controller_waits_for_requests_instead_of_spinning():
+    """p10: the DP attention controller's loop waits on its socket once it is empty (the idle
+    controller's CPU is measured in tests/e2e/test_e2e_pd_dp.py)."""
+    code = ("import inspect; from sglang.srt.managers.data_parallel_controller import DataParallelController as C; "
+            "print(inspect.getsource(C.event_loop))")
+    out = probe(code, {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    import p10_dp_controller_idle_wait as p10
+
+    assert p10.MARKER in out.stdout and f"self.recv_from_tokenizer.poll(timeout={p10.POLL_TIMEOUT_MS})" in out.stdout
 
 
 def test_edit_file_reports_missing_anchor_and_writes_nothing(tmp_path):
