@@ -22,8 +22,9 @@ may drop an object at any time, so a store copy is confirmed only by a GET that 
   lookup found, only the leading pages worth reading (faster than prefilling them, by this
   server's measured store bandwidth and prefill rate) become the child; the rest is recomputed
   as a miss (counted as ``skipped_slow``). ``never`` makes no lookups at all.
-* Failures: a failed PUT is dropped (counted); a failed GET is a miss (the ledger forgets that
-  store copy). ``STORE_FAILURES_IN_ROW`` failed store jobs of one direction in a row (PUTs; GETs and lookups
+* Failures: a PUT job that failed on every rank (its I/O worker died or was restarted, the
+  store timed out) is queued again while its DRAM copy lasts, up to ``PUT_ATTEMPTS`` tries per
+  node, then dropped (counted); a failed GET is a miss (the ledger forgets that store copy). ``STORE_FAILURES_IN_ROW`` failed store jobs of one direction in a row (PUTs; GETs and lookups
   that failed as a whole) switch the tier off, with
   one warning: its records are forgotten and nothing is sent to the store until it is tried
   again ``STORE_RETRY_S`` later (doubling up to ``STORE_RETRY_MAX_S`` while it keeps failing;
@@ -57,6 +58,7 @@ STORE_FAILURES_IN_ROW = 5  # failed store jobs in a row before the tier is switc
 STORE_RETRY_S = 30.0  # first wait before a switched-off store is tried again
 STORE_RETRY_MAX_S = 600.0  # longest wait between tries
 MAX_PUTS_IN_FLIGHT = 32  # PUT jobs in flight, each one node
+PUT_ATTEMPTS = 3  # tries of one node's PUT (a failed job is queued again, behind the others)
 # PUTs in flight pin their DRAM pages (the source) until the store answers; they stop starting
 # once they hold this fraction of DRAM, so a slow or wedged store (the I/O worker restarts only
 # after its call limit) leaves DRAM room for backups and NVMe reads instead of taking it whole.
@@ -115,6 +117,7 @@ class StoreTier:
         self.lookups: dict[int, Lookup] = {}  # op id -> lookup in flight
         self._by_hash: dict[bytes, Lookup] = {}  # first page hash -> lookup in flight
         self._to_put: dict[int, TreeNode] = {}  # node id -> node to share (insertion order)
+        self._put_failures: dict[int, int] = {}  # node id -> its PUT jobs that failed (it is queued again)
         self._missed: OrderedDict[str, int] = OrderedDict()  # key whose GET missed -> op id then
         self._failures_in_row = {"writes": 0, "reads": 0}  # PUT jobs / GET + lookup jobs that failed in a row
         self.off_reason: Optional[str] = None
@@ -123,7 +126,7 @@ class StoreTier:
         self._retry_wait_s = retry_s
         self._warned = False  # a switch-off was warned about, and the store has not worked since
         self.counts = dict.fromkeys(("lookup_pages", "lookup_found_pages", "put_pages", "put_failed_pages",
-                                     "get_pages", "get_failed_pages", "switch_offs"), 0)
+                                     "get_pages", "get_failed_pages", "switch_offs", "put_retried_pages"), 0)
 
     @property
     def enabled(self) -> bool:
@@ -171,10 +174,24 @@ class StoreTier:
                 return
             node = self._to_put.pop(node_id)
             if not node.alive or not node.in_tier(Tier.DRAM) or node.in_tier(Tier.STORE) or node.pinned[Tier.STORE]:
+                self._put_failures.pop(node_id, None)
                 continue
             op = self.books.prepare(Kind.PUT, [node], store_keys=self.keys_of(node))
             self.client.submit_put(op.op_id, op.src_ids, op.dst_ids)
             in_flight, pages = in_flight + 1, pages + len(op.src_ids)
+
+    def note_put_done(self, nodes: Sequence[TreeNode], ok: bool) -> None:
+        """A PUT job of ``nodes`` finished with the same outcome on every rank: a failed one is
+        queued again (its DRAM copy is the source; :meth:`submit_puts` checks it is still
+        there) unless its nodes failed ``PUT_ATTEMPTS`` times."""
+        for node in nodes:
+            failures = 0 if ok else self._put_failures.get(node.id, 0) + 1
+            if ok or failures >= PUT_ATTEMPTS:
+                self._put_failures.pop(node.id, None)
+                continue
+            self._put_failures[node.id] = failures
+            self.counts["put_retried_pages"] += node.num_tokens // self.tree.page_size
+            self._queue([node])
 
     # ------------------------------------------------------------ lookups
     def tail_hash(self, m: TreeMatch, tokens: Sequence[int], namespace: Optional[tuple]) -> Optional[bytes]:
@@ -288,6 +305,7 @@ class StoreTier:
         self.counts["switch_offs"] += 1
         self._retry_at_s = self.clock() + self._retry_wait_s
         self._to_put.clear()
+        self._put_failures.clear()
         forgotten = self.placement.forget(Tier.STORE)
         if self._warned:  # one warning until it works again; the failed retries go to the info log
             logger.info("hiradix: cluster store still unusable: %s; next try in %.0f s", reason, self._retry_wait_s)

@@ -31,9 +31,10 @@ KINDS = tuple(k.name for k in Kind)  # BACKUP, PROMOTE, DEMOTE, PREFETCH, PUT, G
 # the lower tier of each transfer kind (index into TIERS): its page size is what the copy moves
 LOWER_TIER = {"BACKUP": 1, "PROMOTE": 1, "DEMOTE": 2, "PREFETCH": 2, "PUT": 3, "GET": 3}
 # StoreTier.counts, in pages; skipped_slow: found, but recomputed (slower to read, hiradix.core.store_reads)
-STORE_OPS = ("lookup", "found", "put", "put_failed", "get", "get_failed", "skipped_slow")
+STORE_OPS = ("lookup", "found", "put", "put_failed", "put_retried", "get", "get_failed", "skipped_slow")
 _STORE_COUNT = {"lookup": "lookup_pages", "found": "lookup_found_pages", "put": "put_pages",
-                "put_failed": "put_failed_pages", "get": "get_pages", "get_failed": "get_failed_pages"}
+                "put_failed": "put_failed_pages", "put_retried": "put_retried_pages", "get": "get_pages",
+                "get_failed": "get_failed_pages"}
 
 
 @dataclass(frozen=True)

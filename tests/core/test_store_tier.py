@@ -277,6 +277,46 @@ def test_failed_puts_in_a_row_switch_the_store_off_once_and_it_comes_back(caplog
     assert any("cluster store works again" in r.getMessage() for r in caplog.records)
 
 
+class FlakyPuts(FailingPuts):
+    """Wraps an I/O client: the first ``fail`` PUT jobs fail as a whole (their I/O worker died
+    under them, as when a wedged store client's worker is restarted); later ones go through."""
+
+    def __init__(self, inner, fail: int):
+        super().__init__(inner)
+        self.to_fail = fail
+
+    def submit_put(self, job_id, dram_pages, keys):
+        if self.to_fail == 0:
+            return self.inner.submit_put(job_id, dram_pages, keys)
+        self.to_fail -= 1
+        self.failed.append(JobDone(job_id=job_id, ok=[False] * len(keys), error="I/O worker pid 1 died"))
+
+
+def test_a_put_whose_worker_died_is_tried_again_and_lands():
+    clock, store = SimClock(), SimStore()
+    a = Server(store, clock)
+    a.tiers.client = a.tiers.store.client = FlakyPuts(a.tiers.client, fail=store_tier.PUT_ATTEMPTS - 1)
+    a.serve(keys(30))
+    settle(a, steps=8)
+    assert len(store) == 3 and a.tree.tier_tokens[Tier.STORE] == 6  # every page shared
+    counts = a.tiers.store.counts
+    assert counts["put_retried_pages"] == counts["put_failed_pages"] == 3 * (store_tier.PUT_ATTEMPTS - 1)
+    assert counts["put_pages"] == 3 and a.tiers.store_enabled
+
+
+def test_a_put_that_keeps_failing_is_tried_put_attempts_times_then_dropped():
+    clock, store = SimClock(), SimStore()
+    a = Server(store, clock)
+    a.tiers.client = a.tiers.store.client = FailingPuts(a.tiers.client)
+    a.serve(keys(31))
+    settle(a, steps=12)
+    counts = a.tiers.store.counts
+    assert counts["put_failed_pages"] == 3 * store_tier.PUT_ATTEMPTS  # then no further try
+    assert counts["put_retried_pages"] == 3 * (store_tier.PUT_ATTEMPTS - 1)
+    assert len(store) == 0 and a.tree.tier_tokens[Tier.STORE] == 0 and not a.tiers.store._put_failures
+    assert a.tiers.store_enabled == (store_tier.PUT_ATTEMPTS < STORE_FAILURES_IN_ROW)
+
+
 class WedgedPuts(FailingPuts):
     """Wraps an I/O client: PUTs are taken and never answered (a wedged store client, until the
     I/O worker's call limit restarts it)."""

@@ -105,7 +105,7 @@ def test_counters_advance_by_deltas_and_gauges_follow_the_tree():
     stats.admission_skips = 5
     store = types.SimpleNamespace(enabled=True, counts={"lookup_pages": 4, "lookup_found_pages": 2, "put_pages": 3,
                                                         "put_failed_pages": 0, "get_pages": 2, "get_failed_pages": 1,
-                                                        "switch_offs": 1})
+                                                        "switch_offs": 1, "put_retried_pages": 6})
     store.reads = StoreReadChoice("auto", 1000.0, PAGE_SIZE, min_samples=1)
     store.reads.note_get(2e6, 0.01)  # 200 MB/s
     store.reads.note_prefill(1000, 0.1)  # 10k tokens/s: reading pays above 10 MB/s
@@ -117,6 +117,7 @@ def test_counters_advance_by_deltas_and_gauges_follow_the_tree():
     assert got[("sglang:hiradix_nvme_enabled", ())] == 0
     assert got[("sglang:hiradix_store_pages_total", (("op", "found"),))] == 2
     assert got[("sglang:hiradix_store_pages_total", (("op", "get_failed"),))] == 1
+    assert got[("sglang:hiradix_store_pages_total", (("op", "put_retried"),))] == 6
     assert got[("sglang:hiradix_store_used_tokens_total", ())] == 32
     assert got[("sglang:hiradix_store_switch_offs_total", ())] == 1
     assert got[("sglang:hiradix_store_enabled", ())] == 1
