@@ -24,8 +24,9 @@ may drop an object at any time, so a store copy is confirmed only by a GET that 
   as a miss (counted as ``skipped_slow``). ``never`` makes no lookups at all.
 * Failures: a PUT job that failed on every rank (its I/O worker died or was restarted, the
   store timed out) is queued again while its DRAM copy lasts, up to ``PUT_ATTEMPTS`` tries per
-  node, then dropped (counted); a failed GET is a miss (the ledger forgets that store copy). ``STORE_FAILURES_IN_ROW`` failed store jobs of one direction in a row (PUTs; GETs and lookups
-  that failed as a whole) switch the tier off, with
+  node, then dropped (counted); a failed GET is a miss (the ledger forgets that store copy). ``STORE_FAILURES_IN_ROW`` steps in a row in which the store jobs of one direction that
+  finished all failed (PUTs; GETs and lookups that failed as a whole) switch the tier off (per
+  step, so the jobs one I/O worker death fails at once count once), with
   one warning: its records are forgotten and nothing is sent to the store until it is tried
   again ``STORE_RETRY_S`` later (doubling up to ``STORE_RETRY_MAX_S`` while it keeps failing;
   those retries are logged at info level, and one warning says when it works again). Under TP
@@ -54,7 +55,7 @@ from hiradix.core.tree import TieredRadixTree
 
 logger = logging.getLogger(__name__)
 
-STORE_FAILURES_IN_ROW = 5  # failed store jobs in a row before the tier is switched off
+STORE_FAILURES_IN_ROW = 5  # steps in a row whose finished store jobs (one direction) all failed: switch-off
 STORE_RETRY_S = 30.0  # first wait before a switched-off store is tried again
 STORE_RETRY_MAX_S = 600.0  # longest wait between tries
 MAX_PUTS_IN_FLIGHT = 32  # PUT jobs in flight, each one node
@@ -119,7 +120,8 @@ class StoreTier:
         self._to_put: dict[int, TreeNode] = {}  # node id -> node to share (insertion order)
         self._put_failures: dict[int, int] = {}  # node id -> its PUT jobs that failed (it is queued again)
         self._missed: OrderedDict[str, int] = OrderedDict()  # key whose GET missed -> op id then
-        self._failures_in_row = {"writes": 0, "reads": 0}  # PUT jobs / GET + lookup jobs that failed in a row
+        self._failures_in_row = {"writes": 0, "reads": 0}  # steps in a row whose PUT / GET + lookup jobs all failed
+        self._went_through: dict[str, Optional[bool]] = {"writes": None, "reads": None}  # this step (None: no job)
         self.off_reason: Optional[str] = None
         self._retry_at_s: Optional[float] = None
         self.retry_s = retry_s
@@ -275,9 +277,9 @@ class StoreTier:
     # ------------------------------------------------------------ outcomes, on/off
     def note_job(self, kind: Optional[Kind], pages: int, ok_pages: int, aborted: bool,
                  missed_keys: Sequence[str] = ()) -> None:
-        """Count one finished store job (``kind`` None: a lookup) and switch the tier off after
-        ``STORE_FAILURES_IN_ROW`` failed jobs in a row (a lookup fails only when aborted).
-        ``missed_keys``: keys a GET did not find (not looked up again for a while)."""
+        """Count one finished store job (``kind`` None: a lookup; it fails only when aborted) for
+        this step's verdict (:meth:`_end_step`). ``missed_keys``: keys a GET did not find (not
+        looked up again for a while)."""
         if kind == Kind.PUT:
             self.counts["put_pages"] += ok_pages
             self.counts["put_failed_pages"] += pages - ok_pages
@@ -288,14 +290,23 @@ class StoreTier:
             self._hold(missed_keys)
         failed = aborted or (kind == Kind.PUT and ok_pages < pages)
         direction = "writes" if kind == Kind.PUT else "reads"
-        streak = self._failures_in_row[direction] + 1 if failed else 0
-        self._failures_in_row[direction] = streak
+        self._went_through[direction] = bool(self._went_through[direction]) or not failed
         if kind is not None and ok_pages > 0:  # data moved: the store works (a lookup tells nothing)
             if self._warned:
                 logger.warning("hiradix: the cluster store works again")
             self._retry_wait_s, self._warned = self.retry_s, False
-        if streak >= STORE_FAILURES_IN_ROW:
-            self.switch_off(f"{streak} store {direction} in a row failed (see the I/O worker's warnings)")
+
+    def _end_step(self) -> None:
+        """A direction whose jobs all failed this step extends its streak (one job went through:
+        the streak ends); ``STORE_FAILURES_IN_ROW`` such steps switch the tier off."""
+        for direction, went_through in self._went_through.items():
+            if went_through is None:
+                continue
+            streak = 0 if went_through else self._failures_in_row[direction] + 1
+            self._failures_in_row[direction] = streak
+            if streak >= STORE_FAILURES_IN_ROW:
+                self.switch_off(f"store {direction} failed in {streak} steps in a row (see the I/O worker's warnings)")
+        self._went_through = dict.fromkeys(self._went_through)
 
     def switch_off(self, reason: str) -> None:
         """Stop using the store (one warning) and forget its records; try again later."""
@@ -323,6 +334,7 @@ class StoreTier:
     def step(self, retry: bool) -> None:
         """Per step: try a switched-off store again if ``retry`` (:meth:`retry_due`, as every TP
         rank agreed: the same step on every rank); share what is queued."""
+        self._end_step()
         if retry and not self.enabled:
             logger.info("hiradix: trying the cluster store again (off since: %s)", self.off_reason)
             self.off_reason, self._retry_at_s = None, None

@@ -88,10 +88,13 @@ def _run_main(args: list[str], cwd: str) -> None:
         sys.path[0] = cwd
         sys.modules.pop(target, None)  # run as __main__ (its imports stay loaded)
         runpy.run_module(target, run_name="__main__", alter_sys=True)
-    elif kind == "-c":
-        sys.argv = ["-c", *rest]
-        sys.path[0] = ""
-        exec(compile(target, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    elif kind == "-c":  # as a script file (what -m does with a module's file, runpy does with it)
+        with tempfile.NamedTemporaryFile("w", suffix=".py", prefix="hiradix-zygote-c-") as script:
+            script.write(target)
+            script.flush()
+            sys.argv = ["-c", *rest]
+            sys.path[0] = ""
+            runpy.run_path(script.name, run_name="__main__")
     else:
         raise ValueError(f"zygote runs -m MODULE or -c CODE, not {kind!r}")
 

@@ -254,7 +254,7 @@ def test_failed_puts_in_a_row_switch_the_store_off_once_and_it_comes_back(caplog
         a.serve(keys(10 + tag))
         settle(a)
     warnings = [r.getMessage() for r in caplog.records if "cluster store switched off" in r.getMessage()]
-    assert len(warnings) == 1 and f"{STORE_FAILURES_IN_ROW} store writes in a row failed" in warnings[0]
+    assert len(warnings) == 1 and f"store writes failed in {STORE_FAILURES_IN_ROW} steps in a row" in warnings[0]
     assert not a.tiers.store_enabled and a.tree.tier_tokens[Tier.STORE] == 0
     a.cache.match(keys(99))  # off: no lookups, no puts
     assert not a.tiers.store.lookups
