@@ -47,9 +47,11 @@ def cpu_flags() -> list[str]:
 
 @pytest.fixture
 def cpu_env() -> dict[str, str]:
-    """Environment for a CPU SGLang process: no stale HIRADIX_CONFIG, no plugin whitelist."""
-    env = dict(os.environ)
-    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    """Environment for a CPU SGLang process (the test servers' own, so their launchers fork from
+    the same zygote): no stale HIRADIX_CONFIG, no plugin whitelist."""
+    from hiradix.testing.server import cpu_env as server_cpu_env, launch_env
+
+    env = launch_env(server_cpu_env())
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("HIRADIX_CONFIG", None)
     env.pop("SGLANG_PLUGINS", None)

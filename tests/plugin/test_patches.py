@@ -247,7 +247,7 @@ def probe(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
     captured): forked from the test zygote where the tests use one (hiradix.testing.zygote: SGLang
     already imported, ~14 s of CPU less), else a new process. For code that checks what importing
     does, run a new process instead."""
-    env = dict(os.environ if env is None else env)
+    env = {**cpu_env(), **(os.environ if env is None else env)}  # the test servers' threads: their zygote
     if os.environ.get(ZYGOTE_ENV) == "1" and PYTHON == sys.executable:
         ran = zygote.run(["-c", code], env, os.getcwd(), timeout_s=300)
         return subprocess.CompletedProcess(["-c", code], ran.returncode, ran.stdout, ran.stderr)
