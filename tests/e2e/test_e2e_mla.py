@@ -29,7 +29,7 @@ import pytest
 from hiradix.sglang_plugin.model_check import page_bytes_estimate
 from hiradix.testing.mooncake import MooncakeCluster
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, stop_all
-from tests.helpers.e2e import (assert_same_outputs, chat, settled, dram_pools_mapped, metric, mla_model, run_sessions,
+from tests.helpers.e2e import (assert_same_outputs, chat, settled, dram_pools_mapped, metric, mla_models, run_sessions,
                                 settle_transfers, tier_hits, user_turn)
 from tests.helpers.store import logged_key_prefix, wait_until_stored
 
@@ -64,7 +64,7 @@ def make_server(model: Path, log: Path, flags: list[str], hbm_tokens: int, tp_si
 @pytest.fixture(scope="module")
 def mla_servers(store, tmp_path_factory) -> dict[str, ServerProcess]:
     root = tmp_path_factory.mktemp("mla")
-    models = {p: mla_model(p, REPO_ROOT / "models") for p in PRESETS}
+    models = mla_models(PRESETS, REPO_ROOT / "models")
     stock_flags = ["--max-running-requests", "2", "--page-size", str(PAGE_TOKENS)]
     servers: dict[str, ServerProcess] = {}
     for preset, short in zip(PRESETS, ("v2", "v3", "k2")):
