@@ -81,7 +81,7 @@ def session_servers(tiny_model: Path, tmp_path_factory):
     ``HIRADIX_MP_START_METHOD`` and ``HIRADIX_TEST_ZYGOTE`` above). Tests that need
     other flags start their own; tests that use these must not change what another test reads
     (no flush, no fault switches)."""
-    from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
+    from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, stop_all
 
     tmp = tmp_path_factory.mktemp("session_servers")
     nvme = tmp / "nvme"
@@ -101,8 +101,7 @@ def session_servers(tiny_model: Path, tmp_path_factory):
             server.wait_healthy()
         yield servers
     finally:
-        for server in servers.values():
-            server.stop()
+        stop_all(servers.values())
 
 
 @pytest.fixture(scope="session")

@@ -77,7 +77,7 @@ from bench.common.conversations import Session, load_sessions
 from bench.common.multiturn import WorkloadConfig, add_workload_args, run_workload, workload_config_from_args
 from bench.ab.paired import PairedConfig, PairedRecord, run_paired
 from bench.common.server_metrics import fetch_metrics  # noqa: F401 (re-exported)
-from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
+from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, stop_all
 
 logger = logging.getLogger("bench.ab.run")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -139,13 +139,14 @@ def start_servers(stack: contextlib.ExitStack, systems: Sequence[System], model_
         hiradix.testing.ServerStartError: If one does not come up (message has its log).
     """
     servers = {}
+    stack.callback(lambda: stop_all(servers.values()))  # side by side: each stop waits for its processes
     for system in systems:
         extra = cpu_args(system.max_total_tokens or pool_tokens) + ["--tp-size", str(tp_size), *system.server_args]
         logger.info("[%s] starting server: %s", system.name, " ".join(extra))
         server = ServerProcess(model_path, extra_args=extra, env=cpu_env(tp_size=tp_size),
                                startup_timeout_s=startup_timeout_s, log_path=run_dir / f"{system.name}.server.log")
-        stack.callback(server.stop)
-        servers[system.name] = server.start(wait=False)
+        servers[system.name] = server
+        server.start(wait=False)
     for name, server in servers.items():
         server.wait_healthy()
         logger.info("[%s] healthy on %s after %.1f s", name, server.base_url, server.startup_s)

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 from bench.cluster.systems import FleetSystem, server_launch
 from hiradix.testing.mooncake import MooncakeCluster
 from hiradix.testing.router import RouterProcess
-from hiradix.testing.server import ServerProcess
+from hiradix.testing.server import ServerProcess, stop_all
 
 logger = logging.getLogger("bench.cluster.fleet")
 ROUTER_TTFT = "smg_router_ttft_seconds"  # not exposed by smg 1.13.0 in HTTP (regular-worker) mode
@@ -94,12 +94,12 @@ def _make_fleet(stack: contextlib.ExitStack, system: FleetSystem, settings: Flee
         store = stack.enter_context(MooncakeCluster(num_holders=1, holder_segment_bytes=settings.store_bytes,
                                                     log_dir=fleet_dir / "store"))  # fmt: skip
     servers = []
+    stack.callback(stop_all, servers)  # side by side: each stop waits for its processes
     for i in range(settings.servers_per_system):
         args, env = server_launch(system, store.config() if store else None, settings.model_path,
                                   settings.max_total_tokens, settings.dram_ratio, fleet_dir, i)  # fmt: skip
         server = ServerProcess(str(settings.model_path), extra_args=args, env=env,
                                log_path=fleet_dir / f"server-{i}.log", startup_timeout_s=settings.startup_timeout_s)
-        stack.callback(server.stop)
         servers.append(server)
     logger.info("[%s] %d servers: %s", system.name, len(servers), " ".join(servers[0].extra_args))
     return Fleet(system, servers, None, store)

@@ -30,7 +30,7 @@ import pytest
 
 from hiradix.testing.mooncake import MooncakeCluster
 from hiradix.testing.router import RouterProcess
-from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
+from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, stop_all
 from tests.helpers.e2e import TURNS, WORDS, assert_same_outputs, chat, metric, user_turn
 from tests.helpers.store import logged_key_prefix, requires_mooncake, wait_until_stored
 
@@ -73,8 +73,7 @@ def servers(tiny_model, store, tmp_path_factory) -> list[ServerProcess]:
             server.wait_healthy()
         yield found
     finally:
-        for server in found:
-            server.stop()
+        stop_all(found)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import urllib.request
 import pytest
 
 from hiradix.testing.mooncake import hicache_mooncake_args, hicache_mooncake_env
-from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
+from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, stop_all
 from tests.helpers.e2e import metric
 from tests.helpers.store import requires_mooncake
 
@@ -48,8 +48,7 @@ def servers(tiny_model, store, tmp_path_factory):
             server.wait_healthy()
         yield pair
     finally:
-        for server in pair:
-            server.stop()
+        stop_all(pair)
 
 
 def generate(server: ServerProcess, ids: list[int]) -> tuple[list[int], dict]:

@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from hiradix.testing.server import stop_all
 from tests.helpers.e2e import (
     SESSIONS,
     TURNS,
@@ -79,10 +80,10 @@ def tiered_runs(tiny_model: Path, tmp_path_factory) -> dict[str, list[list[dict]
     runs = {}
     with contextlib.ExitStack() as stack:
         servers = {}
+        stack.callback(lambda: stop_all(servers.values()))
         for policy in ("lru", "lookahead", "predictive"):
             tmp = tmp_path_factory.mktemp(policy)
             servers[policy] = start(tiny_model, tmp / "server.log", 2048, tiered_flags(tmp / "nvme", policy))
-            stack.callback(servers[policy].stop)
             servers[policy].start(wait=False)
         for policy, srv in servers.items():
             srv.wait_healthy()

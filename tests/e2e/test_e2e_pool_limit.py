@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 
 from hiradix.runtime.metrics import SERIES
-from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
+from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, stop_all
 from tests.helpers.e2e import chat
 
 pytestmark = pytest.mark.e2e
@@ -57,12 +57,12 @@ def servers(tiny_model: Path, tmp_path_factory) -> dict[int, ServerProcess]:
     """One server per page size, started together, stopped at the end of the module."""
     with contextlib.ExitStack() as stack:
         found = {}
+        stack.callback(lambda: stop_all(found.values()))
         for page_size in (1, 16):
             tmp = tmp_path_factory.mktemp(f"page{page_size}")
             args = readme_cpu_args(POOL_TOKENS) + ["--page-size", str(page_size), "--enable-hiradix",
                                                    "--hiradix-dram-gb", "0.01"]
             found[page_size] = ServerProcess(tiny_model, extra_args=args, env=cpu_env(), log_path=tmp / "server.log")
-            stack.callback(found[page_size].stop)
             found[page_size].start(wait=False)
         for srv in found.values():
             srv.wait_healthy()
