@@ -304,6 +304,24 @@ def test_a_put_whose_worker_died_is_tried_again_and_lands():
     assert counts["put_pages"] == 3 and a.tiers.store_enabled
 
 
+def test_puts_one_worker_death_fails_at_once_count_once_and_land_on_retry():
+    """An I/O worker that dies (a wedged store client cut off) fails every job it holds in the
+    same step: more PUT jobs than ``STORE_FAILURES_IN_ROW`` fail at once. That is one failed step,
+    not a dead store: the tier stays on and the PUTs land when tried again (a CI run's store was
+    switched off for 30 s when 11 jobs failed at once and counted as 11 failures in a row)."""
+    clock, store = SimClock(), SimStore()
+    a = Server(store, clock)
+    prompts = [keys(40 + tag) for tag in range(STORE_FAILURES_IN_ROW + 1)]
+    a.tiers.client = a.tiers.store.client = FlakyPuts(a.tiers.client, fail=len(prompts))
+    for prompt in prompts:
+        a.serve(prompt)
+    settle(a, steps=8)
+    counts = a.tiers.store.counts
+    assert counts["put_failed_pages"] == counts["put_retried_pages"] == 3 * len(prompts)  # all failed once
+    assert a.tiers.store_enabled and counts["switch_offs"] == 0
+    assert len(store) == 3 * len(prompts) and a.tree.tier_tokens[Tier.STORE] == 6 * len(prompts)
+
+
 def test_a_put_that_keeps_failing_is_tried_put_attempts_times_then_dropped():
     clock, store = SimClock(), SimStore()
     a = Server(store, clock)
