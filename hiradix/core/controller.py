@@ -545,7 +545,7 @@ class TierController:
             if op.kind == Kind.GET and ok_pages and result is not None:
                 self.store.reads.note_get(ok_pages * self.page_bytes, getattr(result, "duration_s", 0.0))
             if op.kind == Kind.PUT:  # before note_job: a switch-off there drops what this queues
-                self.store.note_put_done(op.nodes, ok=outcome == OK)
+                self.store.note_put_done(op.nodes, aborted=outcome == ABORTED)
             if op.kind in (Kind.PUT, Kind.GET):
                 missed = [k for k, f in zip(op.src_ids, flags if isinstance(flags, list) else [flags] * pages)
                           if not f] if op.kind == Kind.GET and outcome != ABORTED else []

@@ -22,9 +22,10 @@ may drop an object at any time, so a store copy is confirmed only by a GET that 
   lookup found, only the leading pages worth reading (faster than prefilling them, by this
   server's measured store bandwidth and prefill rate) become the child; the rest is recomputed
   as a miss (counted as ``skipped_slow``). ``never`` makes no lookups at all.
-* Failures: a PUT job that failed on every rank (its I/O worker died or was restarted, the
-  store timed out) is queued again while its DRAM copy lasts, up to ``PUT_ATTEMPTS`` tries per
-  node, then dropped (counted); a failed GET is a miss (the ledger forgets that store copy). ``STORE_FAILURES_IN_ROW`` steps in a row in which the store jobs of one direction that
+* Failures: a PUT job aborted on every rank (its I/O worker died or was restarted under it: a
+  wedged store client is cut off that way) is queued again while its DRAM copy lasts, up to
+  ``PUT_ATTEMPTS`` tries per node; a PUT the store refused (full, timed out) is dropped (counted):
+  trying it again would only add load to a store that is refusing; a failed GET is a miss (the ledger forgets that store copy). ``STORE_FAILURES_IN_ROW`` steps in a row in which the store jobs of one direction that
   finished all failed (PUTs; GETs and lookups that failed as a whole) switch the tier off (per
   step, so the jobs one I/O worker death fails at once count once), with
   one warning: its records are forgotten and nothing is sent to the store until it is tried
@@ -59,7 +60,7 @@ STORE_FAILURES_IN_ROW = 5  # steps in a row whose finished store jobs (one direc
 STORE_RETRY_S = 30.0  # first wait before a switched-off store is tried again
 STORE_RETRY_MAX_S = 600.0  # longest wait between tries
 MAX_PUTS_IN_FLIGHT = 32  # PUT jobs in flight, each one node
-PUT_ATTEMPTS = 3  # tries of one node's PUT (a failed job is queued again, behind the others)
+PUT_ATTEMPTS = 3  # tries of one node's PUT (an aborted job is queued again, behind the others)
 # PUTs in flight pin their DRAM pages (the source) until the store answers; they stop starting
 # once they hold this fraction of DRAM, so a slow or wedged store (the I/O worker restarts only
 # after its call limit) leaves DRAM room for backups and NVMe reads instead of taking it whole.
@@ -182,13 +183,14 @@ class StoreTier:
             self.client.submit_put(op.op_id, op.src_ids, op.dst_ids)
             in_flight, pages = in_flight + 1, pages + len(op.src_ids)
 
-    def note_put_done(self, nodes: Sequence[TreeNode], ok: bool) -> None:
-        """A PUT job of ``nodes`` finished with the same outcome on every rank: a failed one is
-        queued again (its DRAM copy is the source; :meth:`submit_puts` checks it is still
-        there) unless its nodes failed ``PUT_ATTEMPTS`` times."""
+    def note_put_done(self, nodes: Sequence[TreeNode], aborted: bool) -> None:
+        """A PUT job of ``nodes`` finished with the same outcome on every rank: an aborted one
+        (its worker died under it) is queued again (its DRAM copy is the source;
+        :meth:`submit_puts` checks it is still there) unless its nodes were aborted
+        ``PUT_ATTEMPTS`` times; any other outcome ends its tries."""
         for node in nodes:
-            failures = 0 if ok else self._put_failures.get(node.id, 0) + 1
-            if ok or failures >= PUT_ATTEMPTS:
+            failures = self._put_failures.get(node.id, 0) + 1 if aborted else 0
+            if not aborted or failures >= PUT_ATTEMPTS:
                 self._put_failures.pop(node.id, None)
                 continue
             self._put_failures[node.id] = failures

@@ -322,10 +322,20 @@ def test_puts_one_worker_death_fails_at_once_count_once_and_land_on_retry():
     assert len(store) == 3 * len(prompts) and a.tree.tier_tokens[Tier.STORE] == 6 * len(prompts)
 
 
-def test_a_put_that_keeps_failing_is_tried_put_attempts_times_then_dropped():
+def test_a_put_the_store_refuses_is_not_tried_again():
     clock, store = SimClock(), SimStore()
     a = Server(store, clock)
-    a.tiers.client = a.tiers.store.client = FailingPuts(a.tiers.client)
+    a.tiers.client = a.tiers.store.client = FailingPuts(a.tiers.client)  # every page refused (a full store)
+    a.serve(keys(32))
+    settle(a, steps=8)
+    counts = a.tiers.store.counts
+    assert counts["put_failed_pages"] == 3 and counts["put_retried_pages"] == 0 and len(store) == 0
+
+
+def test_a_put_whose_worker_keeps_dying_is_tried_put_attempts_times_then_dropped():
+    clock, store = SimClock(), SimStore()
+    a = Server(store, clock)
+    a.tiers.client = a.tiers.store.client = FlakyPuts(a.tiers.client, fail=100)
     a.serve(keys(31))
     settle(a, steps=12)
     counts = a.tiers.store.counts
