@@ -25,9 +25,10 @@ may drop an object at any time, so a store copy is confirmed only by a GET that 
 * Failures: a PUT job aborted on every rank (its I/O worker died or was restarted under it: a
   wedged store client is cut off that way) is queued again while its DRAM copy lasts, up to
   ``PUT_ATTEMPTS`` tries per node; a PUT the store refused (full, timed out) is dropped (counted):
-  trying it again would only add load to a store that is refusing; a failed GET is a miss (the ledger forgets that store copy). ``STORE_FAILURES_IN_ROW`` steps in a row in which the store jobs of one direction that
-  finished all failed (PUTs; GETs and lookups that failed as a whole) switch the tier off (per
-  step, so the jobs one I/O worker death fails at once count once), with
+  trying it again would only add load to a store that is refusing. A failed GET is a miss (the
+  ledger forgets that store copy). ``STORE_FAILURES_IN_ROW`` steps in a row in which the store
+  jobs of one direction that finished all failed (PUTs; GETs and lookups that failed as a whole)
+  switch the tier off (per step, so the jobs one I/O worker death fails at once count once), with
   one warning: its records are forgotten and nothing is sent to the store until it is tried
   again ``STORE_RETRY_S`` later (doubling up to ``STORE_RETRY_MAX_S`` while it keeps failing;
   those retries are logged at info level, and one warning says when it works again). Under TP
@@ -189,13 +190,11 @@ class StoreTier:
         :meth:`submit_puts` checks it is still there) unless its nodes were aborted
         ``PUT_ATTEMPTS`` times; any other outcome ends its tries."""
         for node in nodes:
-            failures = self._put_failures.get(node.id, 0) + 1 if aborted else 0
-            if not aborted or failures >= PUT_ATTEMPTS:
-                self._put_failures.pop(node.id, None)
-                continue
-            self._put_failures[node.id] = failures
-            self.counts["put_retried_pages"] += node.num_tokens // self.tree.page_size
-            self._queue([node])
+            failures = self._put_failures.pop(node.id, 0) + 1
+            if aborted and failures < PUT_ATTEMPTS:
+                self._put_failures[node.id] = failures
+                self.counts["put_retried_pages"] += node.num_tokens // self.tree.page_size
+                self._queue([node])
 
     # ------------------------------------------------------------ lookups
     def tail_hash(self, m: TreeMatch, tokens: Sequence[int], namespace: Optional[tuple]) -> Optional[bytes]:

@@ -14,8 +14,8 @@ cold, as the session's shared servers do (what users run).
 What a forked child cannot change: a module already imported (a ``hiradix`` folder in its
 working directory does not shadow the package, as it would cold), and anything read while the
 zygote imported, so one zygote serves only launches whose :data:`IMPORT_TIME_ENV` values equal
-its own; another set starts another zygote. The zygote holds no thread when it forks (checked: it refuses to fork with
-more than one).
+its own; another set starts another zygote. The zygote holds no thread when it forks (checked:
+it refuses to fork with more than one).
 
 Protocol: a Unix stream socket, one connection per request, a JSON line each way; the zygote
 handles one request at a time, reaps its children before each answer and ends when its stdin
@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import runpy
-import signal
 import socket
 import subprocess
 import sys
@@ -41,6 +41,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from hiradix.testing.process_group import kill_group
 
 PRELOAD = ("sglang.launch_server", "sglang.srt.entrypoints.http_server")
 # Read by libraries while they are imported (so fixed in a zygote): a launch with other values
@@ -247,7 +249,6 @@ class ZygoteChild:
         self.zygote = zygote
         self.pid = pid
         self.returncode: int | None = None
-        self.exit_seen_s: float | None = None  # time.time() when poll() first saw the exit
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -256,8 +257,6 @@ class ZygoteChild:
             except OSError:  # the zygote is gone (its children went to init): alive or not
                 if not _pid_alive(self.pid):
                     self.returncode = UNKNOWN_EXIT
-            if self.returncode is not None:
-                self.exit_seen_s = time.time()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -271,14 +270,12 @@ class ZygoteChild:
 
 _ZYGOTES: dict[tuple, Zygote] = {}
 _ZYGOTES_LOCK = threading.Lock()
-_LOG_DIR: list[Path] = []  # where zygotes started by run() log (one folder per test process)
 
 
+@functools.cache
 def _log_dir() -> Path:
-    with _ZYGOTES_LOCK:
-        if not _LOG_DIR:
-            _LOG_DIR.append(Path(tempfile.mkdtemp(prefix="hiradix-zygote-logs-")))
-        return _LOG_DIR[0]
+    """Where zygotes started by :func:`run` log (one folder per test process)."""
+    return Path(tempfile.mkdtemp(prefix="hiradix-zygote-logs-"))
 
 
 def for_env(env: dict[str, str], log_dir: Path) -> Zygote:
@@ -317,30 +314,10 @@ def run(args: list[str], env: dict[str, str], cwd: str | os.PathLike, timeout_s:
         try:
             child.wait(timeout=timeout_s)
         finally:
-            _kill_group(child)
+            kill_group(child)
+            child.wait(timeout=READY_TIMEOUT_S)
         elapsed_s = time.monotonic() - start_s
         return Finished(child.returncode, (out / "stdout").read_text(), (out / "stderr").read_text(), elapsed_s)
-
-
-def _kill_group(child: ZygoteChild) -> None:
-    """Kill what is left of the child's process group: the child, if it still runs, and any
-    process it started that stayed in its group (by PID: once the child has exited its group id
-    may be reused, so only members created before its exit was seen)."""
-    import psutil
-
-    if child.poll() is None:
-        try:
-            os.killpg(child.pid, signal.SIGKILL)  # the child is not reaped: the group id is still its
-        except ProcessLookupError:
-            pass
-        child.wait(timeout=READY_TIMEOUT_S)
-        return
-    for proc in psutil.process_iter(["pid", "create_time"]):
-        try:
-            if os.getpgid(proc.pid) == child.pid and proc.info["create_time"] < child.exit_seen_s:
-                proc.kill()
-        except (ProcessLookupError, psutil.Error, PermissionError):
-            continue
 
 
 def launch(argv: list[str], env: dict[str, str], log_path: Path) -> ZygoteChild:

@@ -22,7 +22,6 @@ import math
 import os
 import pickle
 import re
-import signal
 import subprocess
 import sys
 import textwrap
@@ -35,6 +34,7 @@ import pytest
 
 from hiradix.sglang_plugin import flags, hooks, model_check, plugin, refusals
 from hiradix.testing import zygote
+from hiradix.testing.process_group import kill_group
 from hiradix.testing.server import ZYGOTE_ENV
 from hiradix.config import (
     ENV_VAR,
@@ -99,12 +99,8 @@ def llama_dir(tmp_path: Path) -> Path:
 # --------------------------------------------------------------------- subprocesses
 
 
-@dataclasses.dataclass
-class Finished:
-    returncode: int
-    stdout: str
-    stderr: str
-    elapsed_s: float
+class Finished(zygote.Finished):
+    """A process that ran to its end (:class:`hiradix.testing.zygote.Finished`), read as a launcher's."""
 
     @property
     def output(self) -> str:
@@ -115,28 +111,8 @@ class Finished:
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
-    """Kill the session we started for `proc` (the launcher and anything it spawned).
-
-    Once the launcher is reaped its pid may belong to a new, unrelated process (and its group),
-    so after that only members of its group created before that pid was reused (before now if it
-    was not) are killed, by PID.
-    """
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # not reaped yet: the group id is still ours
-        except (ProcessLookupError, PermissionError):
-            pass
-    else:
-        try:  # the old group's members were all created before the launcher died, so before a reuse
-            cutoff = psutil.Process(proc.pid).create_time()
-        except psutil.Error:
-            cutoff = time.time()
-        for p in psutil.process_iter(["pid", "create_time"]):
-            try:
-                if p.pid != os.getpid() and os.getpgid(p.pid) == proc.pid and p.info["create_time"] < cutoff:
-                    p.kill()
-            except (ProcessLookupError, psutil.Error, PermissionError):
-                continue
+    """Kill the session we started for `proc` (the launcher and anything it spawned), by PID."""
+    kill_group(proc)
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
@@ -177,7 +153,7 @@ def _run_forked(args: list[str], env: dict, cwd: Path, timeout_s: float) -> Fini
         ran = zygote.run(args, env, cwd, timeout_s)
     except subprocess.TimeoutExpired:
         pytest.fail(f"{args[:3]} did not exit within {timeout_s} s")
-    return Finished(ran.returncode, ran.stdout, ran.stderr, ran.elapsed_s)
+    return Finished(**dataclasses.asdict(ran))
 
 
 def launch(python: str, args: list[str], env: dict, cwd: Path, cold: bool = False) -> Finished:
