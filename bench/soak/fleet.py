@@ -28,8 +28,11 @@ End checks (each failure is a violation; exit status 1):
     * the load's (`FleetLoadStats.violations`);
     * per server: the tiers' gauges and its DRAM pages / NVMe slots are 0 after the flush;
       processes, fds, sockets, /dev/shm entries, NVMe and socket directories equal its (last)
-      baseline; RSS at the end within `rss_bound_bytes` of that baseline; no error line in its log
-      outside the restart;
+      baseline (the socket directory holds exactly the live I/O worker's two sockets, whichever
+      incarnation it is; a changed fd count is named by process and kind); RSS at the end within
+      `rss_bound_bytes` of that baseline; no error line in its log outside the restart;
+    * reported, not judged: the I/O worker's exits and respawns (a Mooncake client wedge ends a
+      worker, `hiradix/tiers/store/mooncake.py`; a fresh one takes over);
     * flat series, per server life (b's before and after its restart separately): RSS within
       `rss_bound_bytes`, fds within `fd_slack`; the router's RSS within `router_rss_slack_bytes`;
       the store never holds more objects than its holders' capacity in pages;
@@ -66,7 +69,7 @@ from bench.soak.fleet_plot import plot_resources
 from bench.soak.fleet_ttft import phase_line, ttft_by_phase
 from bench.soak.observe import (
     LogScanner, Snapshot, flush_and_check, integrity_checking_on, process_alive, quiet_snapshot, server_usage, settled_snapshot,
-    snapshot_diffs, worker_socket_dir,
+    snapshot_diffs, worker_respawns, worker_socket_dir,
 )  # fmt: skip
 from bench.soak.run import DRAM_MAPPERS
 from hiradix.testing.mooncake import MooncakeCluster
@@ -140,6 +143,7 @@ class Life(msgspec.Struct):
     rss: Flatness | None = None
     fds: Flatness | None = None
     rss_end_growth_bytes: int = 0
+    worker_respawns: int | None = None  # I/O worker restarts between baseline and end (None: not judged)
 
 
 class ServerResult(msgspec.Struct):
@@ -149,6 +153,9 @@ class ServerResult(msgspec.Struct):
     summary_after_flush: dict[str, int] = msgspec.field(default_factory=dict)
     log_errors: list[str] = msgspec.field(default_factory=list)
     restart_log_lines: list[str] = msgspec.field(default_factory=list)  # error lines logged while stopping
+    # The I/O worker's exits (its last error line, the scheduler's "died with" line): reported,
+    # not violations (a fresh worker takes over; the Mooncake client wedge, tiers/store/mooncake.py)
+    worker_exits: list[str] = msgspec.field(default_factory=list)
 
 
 class FleetReport(msgspec.Struct):
@@ -407,6 +414,7 @@ def judge_life(config: FleetConfig, name: str, life: Life, samples: Sequence[Sam
         problems.append(f"server {name}: HIRADIX_CHECK_INTEGRITY=1 not seen in the scheduler's environment")
     if life.end is not None:
         problems += [f"server {name}: {p}" for p in snapshot_diffs(life.baseline, life.end)]
+        life.worker_respawns = worker_respawns(life.baseline, life.end)
         life.rss_end_growth_bytes = life.end.usage.rss_bytes - life.baseline.usage.rss_bytes
         if life.rss_end_growth_bytes > rss_bound:
             problems.append(f"server {name}: RSS grew by {life.rss_end_growth_bytes / MIB:.1f} MiB from its "
@@ -462,6 +470,7 @@ def judge(fleet: Fleet, load: FleetLoad) -> None:
     for m in fleet.members:
         m.scanner.read_new()
         m.result.log_errors = list(m.scanner.errors)
+        m.result.worker_exits = list(m.scanner.worker_exits)
         r.violations += [f"server {m.name} log: {line[:300]}" for line in m.scanner.errors]
         ends = [life.started_t_s for life in m.result.lives[1:]] + [float("inf")]
         for life, until_s in zip(m.result.lives, ends):
@@ -577,7 +586,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for life in result.lives:
             if life.rss:
                 print(f"[soak-fleet] server {name} life from t={life.started_t_s}s: RSS first/last quarter "
-                      f"{life.rss.first_quarter_median / MIB:.1f}/{life.rss.last_quarter_median / MIB:.1f} MiB")
+                      f"{life.rss.first_quarter_median / MIB:.1f}/{life.rss.last_quarter_median / MIB:.1f} MiB, "
+                      f"I/O worker respawns after the baseline {life.worker_respawns}")
+        for line in result.worker_exits:
+            print(f"[soak-fleet] server {name} I/O worker exit: {line[:200]}")
     for row in r.ttft_by_phase:
         print(f"[soak-fleet] {phase_line(row)}")
     for violation in r.violations:

@@ -28,6 +28,8 @@ ERROR_MARKERS = ("IntegrityError", "Scheduler hit an exception", "memory leak", 
 SUMMARY_RE = re.compile(
     r"tokens per tier HBM/DRAM/NVMe=\[(\d+), (\d+), (\d+)\] DRAM pages=(\d+)/(\d+) NVMe slots=(\d+)/(\d+)"
 )
+WORKER_EXIT_RE = re.compile(r"io-worker\[\d+\] ERROR|I/O worker pid \d+ died")
+GENERATION_RE = re.compile(r"-(\d+)\.(?:jobs|acks)$")
 TIER_GAUGE_RE = re.compile(r'^sglang:hiradix_tier_used_tokens\{[^}]*tier="([^"]+)"[^}]*\}\s+(\S+)', re.M)
 
 
@@ -37,20 +39,36 @@ class Snapshot(msgspec.Struct):
     usage: TreeUsage
     nvme_dir: dict[str, str]  # dir_modes of <nvme path>/hiradix-rank0
     socket_dir: dict[str, str]  # dir_modes of the worker's socket directory
+    worker_sockets: list[str] = []  # names of the live I/O worker's two sockets (from its command line)
+
+    def socket_dir_shape(self) -> dict[str, str]:
+        """`socket_dir` with the live worker's sockets named by role ("live worker.jobs"), so a
+        respawned worker (its sockets carry a new generation) compares equal; the sockets of
+        any other incarnation keep their names and so differ."""
+        live = set(self.worker_sockets)
+        return {("live worker" + Path(name).suffix if name in live else name): mode
+                for name, mode in self.socket_dir.items()}
+
+    def worker_generation(self) -> int | None:
+        """The live worker's incarnation number (`<instance>-<generation>.jobs`), if seen."""
+        found = [int(m.group(1)) for name in self.worker_sockets if (m := GENERATION_RE.search(name))]
+        return max(found) if found else None
 
     def comparable(self) -> tuple:
         """What must be equal to the baseline at the end (not memory)."""
         u = self.usage
-        return (u.num_processes, u.num_fds, u.num_sockets, u.shm_paths, self.nvme_dir, self.socket_dir)
+        return (u.num_processes, u.num_fds, u.num_sockets, u.shm_paths, self.nvme_dir, self.socket_dir_shape())
 
 
 class LogScanner:
-    """Reads a growing log file; keeps the lines holding an error marker."""
+    """Reads a growing log file; keeps the lines holding an error marker, and the I/O worker's
+    exits (its own last error line and the scheduler's "died with" line)."""
 
     def __init__(self, path: Path):
         self.path = path
         self.offset = 0
         self.errors: list[str] = []
+        self.worker_exits: list[str] = []
 
     def read_new(self) -> str:
         """Whole lines appended since the last call (new error-marker lines are kept); a line
@@ -62,6 +80,7 @@ class LogScanner:
         self.offset += len(data)
         text = data.decode("utf-8", errors="replace")
         self.errors += [line for line in text.splitlines() if any(m in line for m in ERROR_MARKERS)][:50]
+        self.worker_exits += [line[:400] for line in text.splitlines() if WORKER_EXIT_RE.search(line)][:50]
         return text
 
 
@@ -76,6 +95,20 @@ def worker_socket_dir(server: ServerProcess) -> Path | None:
     return None
 
 
+def live_worker_sockets(server: ServerProcess) -> list[str]:
+    """Names of the socket files the server's live I/O worker was started with (`--jobs`,
+    `--acks` on its command line), sorted."""
+    names = []
+    for process in server.descendants():
+        try:
+            args = process.cmdline()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if "hiradix.io.worker" in args:
+            names += [Path(args[i + 1]).name for i, a in enumerate(args[:-1]) if a in ("--jobs", "--acks")]
+    return sorted(names)
+
+
 def server_usage(server: ServerProcess) -> TreeUsage:
     """`tree_usage` of the launcher and all its descendants."""
     launcher = [psutil.Process(server.pid)] if process_alive(server.pid) else []
@@ -85,7 +118,8 @@ def server_usage(server: ServerProcess) -> TreeUsage:
 def snapshot(server: ServerProcess, nvme_rank_dir: Path) -> Snapshot:
     """Measure the server tree and its two private directories now."""
     sock = worker_socket_dir(server)
-    return Snapshot(server_usage(server), dir_modes(nvme_rank_dir), dir_modes(sock) if sock else {})
+    return Snapshot(server_usage(server), dir_modes(nvme_rank_dir), dir_modes(sock) if sock else {},
+                    live_worker_sockets(server))
 
 
 def settled_snapshot(server: ServerProcess, nvme_rank_dir: Path, timeout_s: float,
@@ -210,9 +244,9 @@ def _diff(name: str, before: Any, after: Any) -> list[str]:
     if before == after:
         return []
     if isinstance(before, dict):
-        added = {k: after[k] for k in after.keys() - before.keys()}
-        removed = {k: before[k] for k in before.keys() - after.keys()}
-        changed = {k: (before[k], after[k]) for k in before.keys() & after.keys() if before[k] != after[k]}
+        added = {k: after[k] for k in sorted(after.keys() - before.keys())}
+        removed = {k: before[k] for k in sorted(before.keys() - after.keys())}
+        changed = {k: (before[k], after[k]) for k in sorted(before.keys() & after.keys()) if before[k] != after[k]}
         return [f"{name} differs from the baseline: added {added}, removed {removed}, changed {changed}"]
     if isinstance(before, list):
         return [f"{name} differs from the baseline: added {sorted(set(after) - set(before))}, "
@@ -220,9 +254,17 @@ def _diff(name: str, before: Any, after: Any) -> list[str]:
     return [f"{name}: {before} at the baseline, {after} at the end"]
 
 
+def worker_respawns(b: Snapshot, e: Snapshot) -> int | None:
+    """How many times the I/O worker was started again between `b` and `e` (None: unknown)."""
+    first, last = b.worker_generation(), e.worker_generation()
+    return None if first is None or last is None else last - first
+
+
 def snapshot_diffs(b: Snapshot, e: Snapshot) -> list[str]:
     """What differs between a baseline `b` and an end `e` (processes, fds, sockets, /dev/shm
-    entries, both directories), and the directories' modes that are not private."""
+    entries, both directories; the worker socket directory must hold exactly the live worker's
+    two sockets, whichever incarnation it is: see `worker_respawns`), and the directories' modes
+    that are not private."""
     problems = []
     for name, before, after in (
         ("processes", b.usage.num_processes, e.usage.num_processes),
@@ -230,9 +272,13 @@ def snapshot_diffs(b: Snapshot, e: Snapshot) -> list[str]:
         ("sockets", b.usage.num_sockets, e.usage.num_sockets),
         ("/dev/shm entries held", b.usage.shm_paths, e.usage.shm_paths),
         ("NVMe directory", b.nvme_dir, e.nvme_dir),
-        ("worker socket directory", b.socket_dir, e.socket_dir),
+        ("worker socket directory", b.socket_dir_shape(), e.socket_dir_shape()),
     ):
         problems += _diff(name, before, after)
+    if len(e.worker_sockets) != 2:
+        problems.append(f"the live I/O worker's sockets not found at the end: {e.worker_sockets}")
+    if (b.usage.num_fds, b.usage.num_sockets) != (e.usage.num_fds, e.usage.num_sockets):
+        problems += _diff("open fds by process and kind", b.usage.fd_kinds, e.usage.fd_kinds)
     if not b.nvme_dir or not b.socket_dir:
         problems.append(f"NVMe or socket directory not found at the baseline: {b.nvme_dir}, {b.socket_dir}")
     for name, modes in (("NVMe directory", b.nvme_dir), ("worker socket directory", b.socket_dir)):

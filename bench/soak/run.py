@@ -53,7 +53,7 @@ from bench.common.conversations import Session, load_sessions
 from bench.common.multiturn import RequestRecord, WorkloadConfig, fetch_model_id, send_chat_request
 from bench.soak.observe import (  # noqa: F401 (SUMMARY_RE, parse_tier_tokens: used by the tests through this module)
     SUMMARY_RE, LogScanner, Snapshot, flush_and_check, http_request, integrity_checking_on, parse_tier_tokens,
-    process_alive, server_usage, settled_snapshot, snapshot_diffs,
+    process_alive, server_usage, settled_snapshot, snapshot_diffs, worker_respawns,
 )
 from hiradix.testing.resources import TreeUsage
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
@@ -297,6 +297,9 @@ def end_checks(report: SoakReport, config: SoakConfig) -> list[str]:
     b, e = report.baseline, report.end
     assert b is not None and e is not None
     problems = snapshot_diffs(b, e)
+    if respawns := worker_respawns(b, e):  # nothing here fails the worker: a respawn is a fault
+        problems.append(f"the I/O worker was started again {respawns} time(s) (generation "
+                        f"{b.worker_generation()} at the baseline, {e.worker_generation()} at the end)")
     report.rss_growth_bytes = e.usage.rss_bytes - b.usage.rss_bytes
     report.rss_bound_bytes = config.rss_bound_bytes(b.usage)
     if report.rss_growth_bytes > report.rss_bound_bytes:

@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import os
+import socket
 import stat
 from pathlib import Path
 from typing import Iterable
@@ -39,6 +40,8 @@ class TreeUsage(msgspec.Struct, frozen=True):
         num_fds: Open file descriptors.
         num_sockets: File descriptors that are sockets (TCP, Unix, ZMQ ipc).
         shm_paths: Sorted `/dev/shm` paths open or mapped by the processes.
+        fd_kinds: `{"<process role> <kind>": count}` of the open fds (see `fd_kinds`), so that
+            a changed count can be named (which process, which kind of fd or peer).
     """
 
     processes: dict[int, str]
@@ -48,6 +51,7 @@ class TreeUsage(msgspec.Struct, frozen=True):
     num_fds: int
     num_sockets: int
     shm_paths: list[str]
+    fd_kinds: dict[str, int] = {}
 
     @property
     def num_processes(self) -> int:
@@ -91,6 +95,65 @@ def _shm_maps(pid: int) -> set[str]:
     return found
 
 
+def process_role(process: psutil.Process) -> str:
+    """A name for a process that survives its restart: the process name, or for a Python
+    process the module it runs (`-m x`) or its script's file name."""
+    name = process.name()
+    if not name.startswith("python"):
+        return name
+    args = process.cmdline()[1:]
+    if "-m" in args[:-1]:
+        return args[args.index("-m") + 1]
+    script = next((a for a in args if not a.startswith("-")), "")
+    return os.path.basename(script) or name
+
+
+def _socket_kinds(process: psutil.Process) -> dict[int, str]:
+    """`{fd: kind}` of the process's sockets psutil can place: "unix", "tcp listen",
+    "tcp in" (accepted on one of its listening ports), "tcp out :<peer port>" (a connection it
+    made, named by the listening port it reached), "udp"; other kinds go by family."""
+    conns = process.net_connections(kind="all")
+    listening = {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN and c.laddr}
+    kinds = {}
+    for c in conns:
+        if c.family == socket.AF_UNIX:
+            kind = "unix"
+        elif c.type == socket.SOCK_DGRAM:
+            kind = "udp"
+        elif c.status == psutil.CONN_LISTEN:
+            kind = "tcp listen"
+        elif c.laddr and c.laddr.port in listening:
+            kind = "tcp in"
+        else:
+            kind = f"tcp out :{c.raddr.port}" if c.raddr else f"tcp {c.status.lower()}"
+        kinds[c.fd] = kind
+    return kinds
+
+
+def fd_kinds(process: psutil.Process) -> dict[str, int]:
+    """`{"<role> <kind>": count}` of the process's open fds (`process_role`; kinds: the socket
+    kinds of `_socket_kinds`, "socket other", "pipe", "anon_inode:<name>", "file <path>")."""
+    role, counts = process_role(process), {}
+    sockets = _socket_kinds(process)
+    base = f"/proc/{process.pid}/fd"
+    for name in os.listdir(base):
+        try:
+            target = os.readlink(f"{base}/{name}")
+        except FileNotFoundError:  # closed while listing
+            continue
+        if target.startswith("socket:"):
+            kind = sockets.get(int(name), "socket other")
+        elif target.startswith("pipe:"):
+            kind = "pipe"
+        elif target.startswith("anon_inode:"):
+            kind = target
+        else:
+            kind = "file " + target.removesuffix(" (deleted)")
+        key = f"{role} {kind}"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 def tree_usage(processes: Iterable[psutil.Process]) -> TreeUsage:
     """Measure a set of processes now (see `TreeUsage`).
 
@@ -106,6 +169,7 @@ def tree_usage(processes: Iterable[psutil.Process]) -> TreeUsage:
     names: dict[int, str] = {}
     rss = anon = shmem = fds = sockets = 0
     shm: set[str] = set()
+    kinds: dict[str, int] = {}
     prefix = str(SHM_ROOT) + "/"
     for process in processes:
         try:
@@ -115,6 +179,8 @@ def tree_usage(processes: Iterable[psutil.Process]) -> TreeUsage:
             targets = _fd_targets(process.pid)
             mapped = _shm_maps(process.pid)
             names[process.pid] = process.name()
+            for key, count in fd_kinds(process).items():
+                kinds[key] = kinds.get(key, 0) + count
         except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
             continue
         rss += kib["VmRSS"] * 1024
@@ -123,7 +189,7 @@ def tree_usage(processes: Iterable[psutil.Process]) -> TreeUsage:
         fds += len(targets)
         sockets += sum(t.startswith("socket:") for t in targets)
         shm |= mapped | {t.removesuffix(" (deleted)") for t in targets if t.startswith(prefix)}
-    return TreeUsage(dict(sorted(names.items())), rss, anon, shmem, fds, sockets, sorted(shm))
+    return TreeUsage(dict(sorted(names.items())), rss, anon, shmem, fds, sockets, sorted(shm), dict(sorted(kinds.items())))
 
 
 def dir_modes(root: str | os.PathLike) -> dict[str, str]:

@@ -52,6 +52,25 @@ def test_tree_usage_sees_a_new_socket_fd_and_shm_mapping():
     assert sock.fileno() == -1  # closed again
 
 
+def test_fd_kinds_name_the_process_and_each_socket_by_its_peer(tmp_path):
+    me = psutil.Process()
+    role = tree_usage([me]).fd_kinds
+    with socket.socket() as server, socket.socket() as client, socket.socket(socket.AF_UNIX) as unix:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client.connect(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        unix.bind(str(tmp_path / "u.sock"))
+        with accepted:
+            during = tree_usage([me])
+    added = {k: n - role.get(k, 0) for k, n in during.fd_kinds.items() if n != role.get(k, 0)}
+    name = next(iter(added)).split(" ")[0]
+    assert name == "pytest" or name.startswith("python") or name.endswith(".py"), added
+    assert added == {f"{name} tcp listen": 1, f"{name} tcp in": 1, f"{name} tcp out :{port}": 1, f"{name} unix": 1}
+    assert sum(during.fd_kinds.values()) == during.num_fds
+
+
 def test_dir_modes_and_what_is_not_private(tmp_path):
     root = tmp_path / "nvme"
     root.mkdir(mode=0o700)
@@ -81,36 +100,61 @@ def _usage(**changes) -> TreeUsage:
 
 NVME = {".": "dir 0700", "lock": "file 0600", "nvme.kv": "file 0600"}
 SOCKETS = {".": "dir 0700", "a-1.acks": "socket 0755", "a-1.jobs": "socket 0755"}
+LIVE = ["a-1.acks", "a-1.jobs"]  # the live worker's sockets (generation 1)
+
+
+def test_a_changed_fd_count_is_named_by_process_and_kind():
+    config = SoakConfig(out_dir=Path("."), dram_gb=0.008, rss_slack_bytes=96 * MIB)
+    kinds = {"hiradix.io.worker tcp out :50051": 1, "hiradix.io.worker unix": 4, "sglang::scheduler unix": 20}
+    baseline = Snapshot(_usage(fd_kinds=kinds), NVME, SOCKETS, LIVE)
+    fewer = {**kinds, "hiradix.io.worker tcp out :50051": 0}
+    end = Snapshot(_usage(num_fds=178, num_sockets=31, fd_kinds={k: n for k, n in fewer.items() if n}), NVME, SOCKETS, LIVE)
+    report = SoakReport(config={}, requests=10, integrity_checking=True, baseline=baseline, end=end)
+    assert end_checks(report, config) == [
+        "open fds: 179 at the baseline, 178 at the end",
+        "sockets: 32 at the baseline, 31 at the end",
+        "open fds by process and kind differs from the baseline: added {}, "
+        "removed {'hiradix.io.worker tcp out :50051': 1}, changed {}",
+    ]
+    report.end = Snapshot(_usage(fd_kinds={**kinds, "sglang::scheduler unix": 19, "sglang::scheduler pipe": 1}),
+                          NVME, SOCKETS, LIVE)
+    assert end_checks(report, config) == []  # the same counts: kinds alone are not judged
 
 
 @pytest.mark.parametrize(
     "end, expected",
     [
-        (Snapshot(_usage(num_fds=180), NVME, SOCKETS), "open fds: 179 at the baseline, 180 at the end"),
-        (Snapshot(_usage(num_sockets=33), NVME, SOCKETS), "sockets: 32 at the baseline, 33 at the end"),
-        (Snapshot(_usage(processes={1: "python", 2: "sglang::scheduler"}), NVME, SOCKETS),
+        (Snapshot(_usage(num_fds=180), NVME, SOCKETS, LIVE), "open fds: 179 at the baseline, 180 at the end"),
+        (Snapshot(_usage(num_sockets=33), NVME, SOCKETS, LIVE), "sockets: 32 at the baseline, 33 at the end"),
+        (Snapshot(_usage(processes={1: "python", 2: "sglang::scheduler"}), NVME, SOCKETS, LIVE),
          "processes: 3 at the baseline, 2 at the end"),
-        (Snapshot(_usage(shm_paths=["/dev/shm/sglang_loads_x.shm", "/dev/shm/leak"]), NVME, SOCKETS),
+        (Snapshot(_usage(shm_paths=["/dev/shm/sglang_loads_x.shm", "/dev/shm/leak"]), NVME, SOCKETS, LIVE),
          "/dev/shm entries held differs from the baseline: added ['/dev/shm/leak']"),
-        (Snapshot(_usage(), {**NVME, "nvme.kv.tmp": "file 0600"}, SOCKETS), "NVMe directory differs"),
-        (Snapshot(_usage(), NVME, {".": "dir 0700", "a-2.acks": "socket 0755", "a-2.jobs": "socket 0755"}),
-         "worker socket directory differs"),
-        (Snapshot(_usage(rss_bytes=1200 * MIB), NVME, SOCKETS), "RSS grew by 200.0 MiB, bound 111.3 MiB"),
+        (Snapshot(_usage(), {**NVME, "nvme.kv.tmp": "file 0600"}, SOCKETS, LIVE), "NVMe directory differs"),
+        (Snapshot(_usage(), NVME, {**SOCKETS, "a-0.acks": "socket 0755", "a-0.jobs": "socket 0755"}, LIVE),
+         "worker socket directory differs from the baseline: added {'a-0.acks'"),
+        (Snapshot(_usage(), NVME, {".": "dir 0700", "a-2.acks": "socket 0755", "a-2.jobs": "socket 0755"},
+                  ["a-2.acks", "a-2.jobs"]), "the I/O worker was started again 1 time(s) (generation 1 at the baseline, 2"),
+        (Snapshot(_usage(), NVME, {".": "dir 0700"}, []), "worker socket directory differs from the baseline: "
+         "added {}, removed {'live worker.acks'"),
+        (Snapshot(_usage(rss_bytes=1200 * MIB), NVME, SOCKETS, LIVE), "RSS grew by 200.0 MiB, bound 111.3 MiB"),
     ],
-    ids=["fd", "socket", "process", "shm", "nvme-file", "worker-respawned", "rss"],
+    ids=["fd", "socket", "process", "shm", "nvme-file", "old-worker-sockets-left", "worker-respawned", "no-live-worker", "rss"],
 )  # fmt: skip
 def test_end_checks_report_each_leak(end, expected):
     config = SoakConfig(out_dir=Path("."), dram_gb=0.008, rss_slack_bytes=96 * MIB)  # bound 2 x 8 MB + 96 MiB
-    baseline = Snapshot(_usage(), NVME, SOCKETS)
+    baseline = Snapshot(_usage(), NVME, SOCKETS, LIVE)
     report = SoakReport(config={}, requests=10, integrity_checking=True, baseline=baseline, end=baseline)
     assert end_checks(report, config) == []
     report.end = end
     problems = end_checks(report, config)
+    if not end.worker_sockets:
+        assert problems.pop() == "the live I/O worker's sockets not found at the end: []"
     assert len(problems) == 1 and problems[0].startswith(expected), problems
 
 
 def test_end_checks_report_failed_requests_missing_checks_and_open_dirs():
-    baseline = Snapshot(_usage(), {**NVME, ".": "dir 0755"}, SOCKETS)
+    baseline = Snapshot(_usage(), {**NVME, ".": "dir 0755"}, SOCKETS, LIVE)
     report = SoakReport(config={}, requests=10, failed_requests=2, error_samples=["x: HTTP 500"],
                         baseline=baseline, end=baseline)  # fmt: skip
     problems = end_checks(report, SoakConfig(out_dir=Path(".")))
