@@ -14,14 +14,16 @@ One store (:class:`hiradix.testing.mooncake.MooncakeCluster`: a master and one h
   raw-again  the same once more: the A/A control (its ratio to ``raw`` shows the noise);
   hiradix    :class:`hiradix.tiers.store.mooncake.MooncakeStore`: page + 40-byte trailer per
              object (``batch_put_from_multi_buffers``), gets verified (xxh3 of each page),
-             without Mooncake's TCP connection pool (the default: bounded stalls);
-  hiradix-pooled  the same with ``tcp_connection_pool`` (as ``raw``).
+             over Mooncake's TCP connection lanes (its default: ``tcp_connection_pool``,
+             16 lanes per holder, one key per lane per call);
+  hiradix-unpooled  the same without them (``tcp_connection_pool`` false: faster to fail on a
+             frozen holder, but it crashes or wedges now and then under load).
 
 Each round puts ``--objects`` new keys, then gets them; GB/s = payload bytes / seconds
 (GB = 1e9). Then, once each: master and holder start-up (median of ``--starts`` fresh
 clusters) and how long a call takes to fail when the master is killed or frozen and when the
 holder is killed or frozen (16 keys; ``rpc_timeout_ms`` 1000, ``transfer_timeout_s`` 2; the
-frozen holder also with the connection pool), and for how long
+frozen holder also without the connection lanes), and for how long
 ``exists`` still lists a killed holder's objects. Prints a table (medians, min-max) and writes
 ``store_io.json`` and ``store_io.png`` to ``runs/store-io-<timestamp>/`` (or ``--out``).
 """
@@ -70,8 +72,8 @@ def throughput(cluster: MooncakeCluster, args) -> dict[str, dict[str, list[float
     raw.register_buffer(base, pool.dram_bytes)
     ours = MooncakeStore(cluster.config())
     ours.register(base, pool.dram_bytes)
-    pooled = MooncakeStore(cluster.config(tcp_connection_pool=True))
-    pooled.register(base, pool.dram_bytes)
+    unpooled = MooncakeStore(cluster.config(tcp_connection_pool=False))
+    unpooled.register(base, pool.dram_bytes)
     src = [pool.page_view(i) for i in range(args.objects)]
     dst = [pool.page_view(args.objects + i) for i in range(args.objects)]
     src_ptr = [base + i * page for i in range(args.objects)]
@@ -95,7 +97,7 @@ def throughput(cluster: MooncakeCluster, args) -> dict[str, dict[str, list[float
         return run
 
     systems = {"raw": raw_round, "raw-again": raw_round, "hiradix": backend_round(ours),
-               "hiradix-pooled": backend_round(pooled)}  # fmt: skip
+               "hiradix-unpooled": backend_round(unpooled)}  # fmt: skip
     results = {name: {"put": [], "get": []} for name in systems}
     names = list(systems)
     for round_index in range(args.repeats + 1):
@@ -108,7 +110,7 @@ def throughput(cluster: MooncakeCluster, args) -> dict[str, dict[str, list[float
                 results[name]["put"].append(page * args.objects / put_s / 1e9)
                 results[name]["get"].append(page * args.objects / get_s / 1e9)
     ours.close()
-    pooled.close()
+    unpooled.close()
     raw.close()
     pool.close()
     return results
@@ -125,14 +127,14 @@ def faults(args) -> dict[str, float]:
     layout = _layout(1)
     pool = DramPool.create_anonymous(layout, 32)
     keys = [f"fault/{i}" for i in range(16)]
-    for fault in ("master killed", "master frozen", "holder killed", "holder frozen", "holder frozen, pooled"):
+    for fault in ("master killed", "master frozen", "holder killed", "holder frozen", "holder frozen, unpooled"):
         with MooncakeCluster(num_holders=1, holder_segment_bytes=64 << 20) as cluster:
-            with MooncakeStore(cluster.config(tcp_connection_pool=fault.endswith("pooled"))) as store:
+            with MooncakeStore(cluster.config(tcp_connection_pool=not fault.endswith("unpooled"))) as store:
                 store.register(pool.tensor.data_ptr(), pool.dram_bytes)
                 assert all(store.put(keys, [pool.page_view(i) for i in range(16)]))
                 {"master killed": cluster.kill_master, "master frozen": cluster.freeze_master,
                  "holder killed": lambda: cluster.kill_holder(0), "holder frozen": lambda: cluster.freeze_holder(0),
-                 "holder frozen, pooled": lambda: cluster.freeze_holder(0)}[fault]()  # fmt: skip
+                 "holder frozen, unpooled": lambda: cluster.freeze_holder(0)}[fault]()  # fmt: skip
                 for _ in range(2):  # the first call after the fault, then the next one
                     ok, seconds = _timed(lambda: store.get(keys, [pool.page_view(16 + i) for i in range(16)]))
                     assert not any(ok)

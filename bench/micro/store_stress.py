@@ -20,7 +20,8 @@ Settings (``--settings``, comma-separated):
 
   default           hiradix's ``StoreConfig`` defaults (no TCP connection pool);
   no-progress-timer the same with ``MC_TCP_PROGRESS_TIMEOUT_SEC=0``;
-  pooled            ``tcp_connection_pool`` (Mooncake's default transport).
+  pooled            ``tcp_connection_pool`` with Mooncake's default 4 lanes per holder;
+  pooled-16-lanes   the same with 16 lanes per holder (``MC_TCP_LANES_PER_PEER``, Mooncake's most).
 
 Prints crashes, wedges and runs per setting and writes ``store_stress.json`` and
 ``store_stress.png`` (events per minute of client time, per setting) to
@@ -53,7 +54,8 @@ BATCH = 8
 SETTINGS = {  # name -> (StoreConfig overrides, MC_* variables set over mooncake_env's)
     "default": ({}, {}),
     "no-progress-timer": ({}, {"MC_TCP_PROGRESS_TIMEOUT_SEC": "0"}),
-    "pooled": ({"tcp_connection_pool": True}, {}),
+    "pooled": ({"tcp_connection_pool": True}, {"MC_TCP_LANES_PER_PEER": "4"}),  # Mooncake's default lanes
+    "pooled-16-lanes": ({"tcp_connection_pool": True}, {"MC_TCP_LANES_PER_PEER": "16"}),
 }
 
 

@@ -30,10 +30,13 @@ def test_minimal_json_gets_the_documented_defaults():
 def test_the_wedged_call_limit_is_derived_from_the_deadlines_unless_given():
     from hiradix.io.worker import _derived_call_limit_s
 
-    derived = SimpleNamespace(config=StoreConfig.parse(MINIMAL, FLAG))  # deadlines 1 s RPC + 2 s transfer
-    assert derived.config.call_limit_s == 0 and _derived_call_limit_s(derived) == 12.0
+    derived = SimpleNamespace(config=StoreConfig.parse(MINIMAL, FLAG))  # 1 s RPC + a 6 s stall (2 s transfer, lanes)
+    assert derived.config.call_limit_s == 0 and derived.config.stall_s == 6.0 and _derived_call_limit_s(derived) == 28.0
     slow = SimpleNamespace(config=StoreConfig.parse('{"master_server_address": "h:1", "transfer_timeout_s": 30}', FLAG))
-    assert _derived_call_limit_s(slow) == 4 * 31.0
+    assert _derived_call_limit_s(slow) == 4 * (62.0 + 1.0)
+    unpooled = SimpleNamespace(config=StoreConfig.parse('{"master_server_address": "h:1", "tcp_connection_pool": false}',
+                                                        FLAG))  # fmt: skip
+    assert unpooled.config.stall_s == 2.0 and _derived_call_limit_s(unpooled) == 12.0
     given = SimpleNamespace(config=StoreConfig.parse('{"master_server_address": "h:1", "call_limit_s": 90}', FLAG))
     assert _derived_call_limit_s(given) == 90.0
 
@@ -58,6 +61,8 @@ def test_a_json_file_path_is_read(tmp_path):
         ('{"master_server_address": "h:1", "transfer_timeout_s": 0}', "transfer_timeout_s"),
         ('{"master_server_address": "h:1", "setup_retries": true}', "setup_retries"),
         ('{"master_server_address": "h:1", "tcp_connection_pool": 1}', "tcp_connection_pool"),
+        ('{"master_server_address": "h:1", "tcp_lanes_per_peer": 17}', "tcp_lanes_per_peer must be in 1..16"),
+        ('{"master_server_address": "h:1", "tcp_lanes_per_peer": 0}', "tcp_lanes_per_peer"),
         ('{"master_server_address": "h:1", "call_limit_s": -1}', "call_limit_s"),
         ('{"master_server_address": "h:1", "call_limit_s": 3601}', "call_limit_s"),
         ('{"master_server_address": "h:1", "global_segment_bytes": -1}', "global_segment_bytes"),
@@ -83,9 +88,11 @@ def test_client_env_sets_the_deadlines_and_loopback_binding():
                                          '"transfer_timeout_s": 3, "setup_retries": 2}', FLAG))  # fmt: skip
     assert env == {"MC_RPC_TIMEOUT_MS": "300", "MC_STORE_CLIENT_SETUP_RETRIES": "2", "MC_TCP_PROGRESS_TIMEOUT_SEC": "3",
                    "MC_TCP_STATUS_TIMEOUT_SEC": "3", "MC_TCP_BIND_ADDRESS": "127.0.0.1",
-                   "MC_TCP_ENABLE_CONNECTION_POOL": "0"}  # fmt: skip
-    pooled = StoreConfig.parse('{"master_server_address": "h:1", "tcp_connection_pool": true}', FLAG)
-    assert mooncake_env(pooled)["MC_TCP_ENABLE_CONNECTION_POOL"] == "1"
+                   "MC_TCP_ENABLE_CONNECTION_POOL": "1", "MC_TCP_LANES_PER_PEER": "16"}  # fmt: skip
+    unpooled = StoreConfig.parse('{"master_server_address": "h:1", "tcp_connection_pool": false, '
+                                 '"tcp_lanes_per_peer": 4}', FLAG)  # fmt: skip
+    assert mooncake_env(unpooled)["MC_TCP_ENABLE_CONNECTION_POOL"] == "0"
+    assert (unpooled.keys_per_call, StoreConfig("h:1").keys_per_call, StoreConfig("h:1", tcp_lanes_per_peer=4).keys_per_call) == (512, 16, 4)
     named = mooncake_env(StoreConfig("h:1", local_hostname="node7.cluster"))
     assert "MC_TCP_BIND_ADDRESS" not in named  # a DNS name: Mooncake resolves it
     assert mooncake_env(StoreConfig("h:1", local_hostname="localhost"))["MC_TCP_BIND_ADDRESS"] == "127.0.0.1"

@@ -173,17 +173,20 @@ class StoreConfig:
             frozen holder fails a get after this long).
         setup_retries: attempts to reach the master when the client starts.
         device_name: RDMA device names, comma-separated (``""``: auto or TCP).
-        tcp_connection_pool: reuse pooled TCP connections to holders (Mooncake's own default).
-            Off (the default): a stalled holder fails a get after ``transfer_timeout_s``. On,
-            with Mooncake 0.3.13: the first get from a frozen holder waits while its stalled
-            transfers queue (16 keys took 14-18 s with a 1-2 s timeout), and after the holder
-            thaws every get from it still fails at once (40 s measured), so a stall cuts this
-            client off that holder until the I/O worker restarts; off, the unpooled path
-            crashes or wedges now and then under load (``hiradix.tiers.store.mooncake``).
+        tcp_connection_pool: send transfers over Mooncake's connection lanes (per holder, run
+            on the transport's own thread). On (the default): measured with 0.3.13.post1, no
+            crash or wedge in ~1,000 s of two clients putting into a full store, where the
+            unpooled path (off) had 8 (it starts each transfer on the caller's thread while the
+            transport's thread runs the same timers: a segfault, a wedged put, or a transport
+            thread spinning forever; ``hiradix.tiers.store.mooncake``). The cost: a frozen
+            holder fails a call after up to ``stall_s`` instead of ``transfer_timeout_s``.
+        tcp_lanes_per_peer: connection lanes per holder (1..16, Mooncake's ``MC_TCP_LANES_PER_PEER``);
+            a call carries at most this many keys, so the keys of one call wait on a stalled
+            holder side by side, not in turn (16 keys on 4 lanes: 14 s with a 1 s timeout).
         call_limit_s: a store call running longer than this, in whole seconds, means a wedged
             client (Mooncake's TCP transport can deadlock inside a put): the I/O worker exits,
             its jobs fail (misses; their DRAM pages are released) and a fresh worker starts.
-            0 (the default): ``max(10, 4 * call_deadline_s)`` (12 s with the defaults). Raise it
+            0 (the default): ``max(10, 4 * call_deadline_s)`` (28 s with the defaults). Raise it
             when one batched call of 512 pages may honestly take longer (big pages, slow link).
     """
 
@@ -197,7 +200,8 @@ class StoreConfig:
     transfer_timeout_s: int = 2
     setup_retries: int = 1
     device_name: str = ""
-    tcp_connection_pool: bool = False
+    tcp_connection_pool: bool = True
+    tcp_lanes_per_peer: int = 16
     call_limit_s: int = 0
 
     @property
@@ -212,9 +216,23 @@ class StoreConfig:
         return self.rpc_timeout_ms / 1000.0
 
     @property
+    def stall_s(self) -> float:
+        """Longest a call of at most ``keys_per_call`` keys waits on a frozen holder, in seconds.
+        Unpooled: ``transfer_timeout_s``. Pooled, measured with 0.3.13.post1 on loopback (16 keys
+        on 16 lanes; 4 keys): 3.0 and 4.0 s for two calls with a 1 s timeout, 5.0 and 6.0 s (2.0
+        and 3.0 s) with 2 s: the lane's progress and status deadlines in turn, and up to 2 s more."""
+        tto = float(self.transfer_timeout_s)
+        return 2 * tto + 2.0 if self.tcp_connection_pool else tto
+
+    @property
+    def keys_per_call(self) -> int:
+        """Most keys one Mooncake call carries: one per lane when pooled, else 512."""
+        return self.tcp_lanes_per_peer if self.tcp_connection_pool else 512
+
+    @property
     def call_deadline_s(self) -> float:
         """Longest one backend call may take, in seconds: a master RPC or a stalled transfer."""
-        return max(self.rpc_timeout_s, float(self.transfer_timeout_s)) + self.rpc_timeout_s
+        return max(self.rpc_timeout_s, self.stall_s) + self.rpc_timeout_s
 
     def to_json(self) -> str:
         """The config as JSON text, accepted by :meth:`parse`."""
@@ -273,6 +291,8 @@ class StoreConfig:
             raise bad("transfer_timeout_s", "must be in 1..600 s")
         if not 0 < self.setup_retries <= 100:
             raise bad("setup_retries", "must be in 1..100")
+        if not 1 <= self.tcp_lanes_per_peer <= 16:
+            raise bad("tcp_lanes_per_peer", "must be in 1..16 (Mooncake's MC_TCP_LANES_PER_PEER)")
         if not 0 <= self.call_limit_s <= 3600:
             raise bad("call_limit_s", "must be in 0..3600 s (0: derived from the deadlines)")
 

@@ -11,29 +11,32 @@ bytes is a miss. Every Mooncake error code (< 0) is a False for that key, never 
 Deadlines (Mooncake reads them from the environment when the client is set up, so this module
 sets them from :class:`StoreConfig` first; they are process-wide): ``MC_RPC_TIMEOUT_MS``
 bounds a call to a frozen master, ``MC_TCP_PROGRESS_TIMEOUT_SEC`` / ``MC_TCP_STATUS_TIMEOUT_SEC``
-a transfer from a frozen holder (30 s otherwise; with Mooncake's TCP connection pool, which
-``tcp_connection_pool`` turns on, stalled transfers queue: 16 keys took 11-15 s with a 1 s
-timeout), ``MC_STORE_CLIENT_SETUP_RETRIES`` the start against a dead master. A dead master makes each Mooncake call spend ~4.3 s reconnecting,
+a transfer from a frozen holder (30 s otherwise), ``MC_STORE_CLIENT_SETUP_RETRIES`` the start
+against a dead master. A dead master makes each Mooncake call spend ~4.3 s reconnecting,
 whatever those say, so after a call finds the master gone, each call first tries a TCP connect
 to it (``rpc_timeout_ms``) and fails at once while that is refused.
 
 Facts measured with 0.3.13.post1 on loopback (tests/tiers/test_store_mooncake.py checks them):
 master killed -> -900; frozen -> -901 after ``rpc_timeout_ms``; holder killed -> get -800 while
 ``exists`` still says present for ~10 s (until the master's client TTL lapses); pool full ->
-put -200; a put of an existing key succeeds and keeps the first object.
+put -200; a put of an existing key succeeds and keeps the first object. A holder frozen past
+the master's TTL loses its objects (-704 after it thaws), whichever transport.
 
-A crashing or wedged client: under two clients putting into a full store, Mooncake 0.3.13's
-TCP transport (without its connection pool, hiradix's default) starts each transfer on the
-caller's thread (``TcpTransport::startTransferWithSocket`` -> ``ClientSession::writeHeader`` ->
+The transport: Mooncake's connection lanes (``tcp_connection_pool``, ``MC_TCP_LANES_PER_PEER``
+= ``tcp_lanes_per_peer``), at most one key per lane per call (``StoreConfig.keys_per_call``).
+Its unpooled path (``tcp_connection_pool`` false) starts each transfer on the caller's thread
+(``TcpTransport::startTransferWithSocket`` -> ``ClientSession::writeHeader`` ->
 ``refreshProgressDeadline`` arms the session's deadline timer) while the transport's own thread
-runs the same io_context's timers. Measured (``bench/micro/store_stress.py``; a core and py-spy,
-bench/RESULTS.md): the client segfaults in ``asio::detail::timer_queue::get_ready_timers`` on the
-``TcpTransport::worker`` thread, or a put blocks forever in ``refreshProgressDeadline`` waiting on
-asio's ``epoll_reactor`` mutex (no deadline applies; since calls are serialized every later call
-waits behind it); ``MC_TCP_PROGRESS_TIMEOUT_SEC=0`` still arms the timer and still wedged. With
-the pool neither was seen, but the pool has faults of its own (``tcp_connection_pool`` in
-:class:`StoreConfig`). A crash ends the I/O worker: its jobs fail (misses) and a fresh worker
-starts, and every thread's Python stack is in the server's log (faulthandler). For a wedge,
+runs the same io_context's timers, and the timer queue gets corrupted. Measured
+(``bench/micro/store_stress.py``, cores, py-spy and gdb; bench/RESULTS.md): a segfault in
+``asio::detail::timer_queue::get_ready_timers`` on the ``TcpTransport::worker`` thread, a put
+blocked for good in ``refreshProgressDeadline`` on asio's ``epoll_reactor`` mutex, and the
+transport thread spinning in ``get_ready_timers`` forever (a frozen-holder test: then the
+client's ``close`` joins that thread while holding the GIL, and the whole process stops).
+``MC_TCP_PROGRESS_TIMEOUT_SEC=0`` still arms the timer. On lanes none was seen; their cost is a
+slower failure against a frozen holder (``StoreConfig.stall_s``). Whatever the transport, a
+crash ends the I/O worker: its jobs fail (misses) and a fresh worker starts, and every thread's
+Python stack is in the server's log (faulthandler). For a wedge,
 :meth:`MooncakeStore.call_running_s` says how long the running call has taken; the I/O worker
 exits past its limit (its process holds the wedged client), and the I/O client fails its jobs
 and starts a fresh worker.
@@ -79,7 +82,6 @@ ERROR_NAMES: dict[int, str] = {
     -901: "master timed out",
 }
 MASTER_FAILURES = frozenset({-900, -901})
-DEFAULT_MAX_BATCH_KEYS = 512
 WHEEL_HINT = ("pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 (no NVIDIA GPU) or "
               "mooncake-transfer-engine==0.3.13.post1 (CUDA); scripts/setup does")  # fmt: skip
 
@@ -97,6 +99,7 @@ def mooncake_env(config: StoreConfig) -> dict[str, str]:
         "MC_TCP_PROGRESS_TIMEOUT_SEC": str(config.transfer_timeout_s),
         "MC_TCP_STATUS_TIMEOUT_SEC": str(config.transfer_timeout_s),
         "MC_TCP_ENABLE_CONNECTION_POOL": "1" if config.tcp_connection_pool else "0",
+        "MC_TCP_LANES_PER_PEER": str(config.tcp_lanes_per_peer),
     }
     bind = _bind_address(config.local_hostname)
     if bind is not None:
@@ -138,14 +141,17 @@ class MooncakeStore:
 
     name = "mooncake"
 
-    def __init__(self, config: StoreConfig, *, max_batch_keys: int = DEFAULT_MAX_BATCH_KEYS):
+    def __init__(self, config: StoreConfig, *, max_batch_keys: Optional[int] = None):
         """Set the ``MC_*`` environment (process-wide), set up the client, register staging.
 
         Raises:
             ImportError: the Mooncake wheel is missing or does not load (e.g. no libibverbs).
             OSError: ``setup`` failed (master unreachable after ``setup_retries``).
             ValueError: ``max_batch_keys < 1``.
+
+        ``max_batch_keys``: most keys per Mooncake call; None: ``config.keys_per_call``.
         """
+        max_batch_keys = config.keys_per_call if max_batch_keys is None else max_batch_keys
         if max_batch_keys < 1:
             raise ValueError(f"max_batch_keys must be >= 1, got {max_batch_keys}")
         self.config = config
