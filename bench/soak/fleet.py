@@ -29,7 +29,9 @@ End checks (each failure is a violation; exit status 1):
     * per server: the tiers' gauges and its DRAM pages / NVMe slots are 0 after the flush;
       processes, fds, sockets, /dev/shm entries, NVMe and socket directories equal its (last)
       baseline (the socket directory holds exactly the live I/O worker's two sockets, whichever
-      incarnation it is; a changed fd count is named by process and kind); RSS at the end within
+      incarnation it is; a changed fd count is named by process and kind; the I/O worker's pooled
+      connections to the store's processes are not compared but bounded: at most
+      `tcp_lanes_per_peer` per store port); RSS at the end within
       `rss_bound_bytes` of that baseline; no error line in its log outside the restart;
     * reported, not judged: the I/O worker's exits and respawns (a Mooncake client wedge ends a
       worker, `hiradix/tiers/store/mooncake.py`; a fresh one takes over);
@@ -69,18 +71,22 @@ from bench.soak.fleet_plot import plot_resources
 from bench.soak.fleet_ttft import phase_line, ttft_by_phase
 from bench.soak.observe import (
     LogScanner, Snapshot, flush_and_check, integrity_checking_on, process_alive, quiet_snapshot, server_usage, settled_snapshot,
-    snapshot_diffs, worker_respawns, worker_socket_dir,
+    snapshot_diffs, store_connection_kinds, store_connection_problems, worker_respawns, worker_socket_dir,
+    listening_ports,
 )  # fmt: skip
 from bench.soak.run import DRAM_MAPPERS
 from hiradix.testing.mooncake import MooncakeCluster
 from hiradix.testing.router import RouterProcess
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, stop_all
+from hiradix.tiers.store.base import StoreConfig
 
 logger = logging.getLogger(__name__)
 
 # A baseline is taken once a server's processes, fds, sockets and directories stayed unchanged
 # this long (> SGLang's 5 s HTTP keep-alive, so the connections the load left open have closed).
 QUIET_S = 8.0
+# The store client's pool bound per peer port (`StoreConfig.tcp_lanes_per_peer`, the servers' default)
+STORE_LANES_PER_PEER = StoreConfig("127.0.0.1:1").tcp_lanes_per_peer
 
 
 @dataclass(frozen=True)
@@ -205,6 +211,10 @@ class Fleet:
     report: FleetReport
     t0: float = 0.0
 
+    def store_ports(self) -> frozenset[int]:
+        """The listening ports of the store's master and holders now (a restarted holder gets new ones)."""
+        return listening_ports([self.cluster.master_pid, *self.cluster.holder_pids])
+
     def now(self) -> float:
         return round(time.monotonic() - self.t0, 1)
 
@@ -271,9 +281,11 @@ def sample(fleet: Fleet, router_pid_: int | None) -> Sample:
     """Resources now (blocking: reads /proc and the master's metrics)."""
     rss: dict[str, int | None] = {}
     fds: dict[str, int | None] = {}
+    ports = fleet.store_ports()
     for m in fleet.members:
         usage = None if m.restarting else server_usage(m.server)
-        rss[m.name], fds[m.name] = (usage.rss_bytes, usage.num_fds) if usage else (None, None)
+        pooled = sum(store_connection_kinds(usage, ports).values()) if usage else 0
+        rss[m.name], fds[m.name] = (usage.rss_bytes, usage.num_fds - pooled) if usage else (None, None)
         sock = None if m.restarting else worker_socket_dir(m.server)
         if sock:
             m.socket_dirs.add(str(sock.parent))  # /dev/shm/hiradix-<uid>-<scheduler pid>-rank0
@@ -307,7 +319,7 @@ async def take_baselines(fleet: Fleet, load: FleetLoad, members: Sequence[Member
     await load.drain()
     for m in members:
         m.life.baseline = await asyncio.to_thread(quiet_snapshot, m.server, m.nvme_rank_dir, QUIET_S,
-                                                  fleet.config.settle_timeout_s)  # fmt: skip
+                                                  fleet.config.settle_timeout_s, fleet.store_ports())  # fmt: skip
         m.life.integrity_checking = await asyncio.to_thread(integrity_checking_on, m.server)
         m.life.baseline_t_s = fleet.now()
     load.resume()
@@ -414,6 +426,7 @@ def judge_life(config: FleetConfig, name: str, life: Life, samples: Sequence[Sam
         problems.append(f"server {name}: HIRADIX_CHECK_INTEGRITY=1 not seen in the scheduler's environment")
     if life.end is not None:
         problems += [f"server {name}: {p}" for p in snapshot_diffs(life.baseline, life.end)]
+        problems += [f"server {name}: {p}" for p in store_connection_problems(life.end, STORE_LANES_PER_PEER)]
         life.worker_respawns = worker_respawns(life.baseline, life.end)
         life.rss_end_growth_bytes = life.end.usage.rss_bytes - life.baseline.usage.rss_bytes
         if life.rss_end_growth_bytes > rss_bound:
@@ -434,7 +447,8 @@ async def end_of_run(fleet: Fleet) -> None:
         m.life.ended_by = "end"
         if m.life.baseline is not None:
             m.life.end = await asyncio.to_thread(settled_snapshot, m.server, m.nvme_rank_dir,
-                                                 fleet.config.settle_timeout_s, m.life.baseline)  # fmt: skip
+                                                 fleet.config.settle_timeout_s, m.life.baseline,
+                                                 fleet.store_ports())  # fmt: skip
 
 
 def store_checks(fleet: Fleet) -> list[str]:

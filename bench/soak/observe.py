@@ -40,6 +40,15 @@ class Snapshot(msgspec.Struct):
     nvme_dir: dict[str, str]  # dir_modes of <nvme path>/hiradix-rank0
     socket_dir: dict[str, str]  # dir_modes of the worker's socket directory
     worker_sockets: list[str] = []  # names of the live I/O worker's two sockets (from its command line)
+    # fd_kinds entries of the I/O worker's TCP connections to the store's processes (master, holders):
+    # Mooncake's client pools them (RPC connections that close when idle, up to tcp_lanes_per_peer lanes
+    # per holder), so they are bounded (`store_connection_problems`), not compared with the baseline.
+    store_connections: dict[str, int] = {}
+
+    def own_fds(self) -> tuple[int, int]:
+        """(fds, sockets) without the store connections."""
+        pooled = sum(self.store_connections.values())
+        return self.usage.num_fds - pooled, self.usage.num_sockets - pooled
 
     def socket_dir_shape(self) -> dict[str, str]:
         """`socket_dir` with the live worker's sockets named by role ("live worker.jobs"), so a
@@ -57,7 +66,7 @@ class Snapshot(msgspec.Struct):
     def comparable(self) -> tuple:
         """What must be equal to the baseline at the end (not memory)."""
         u = self.usage
-        return (u.num_processes, u.num_fds, u.num_sockets, u.shm_paths, self.nvme_dir, self.socket_dir_shape())
+        return (u.num_processes, *self.own_fds(), u.shm_paths, self.nvme_dir, self.socket_dir_shape())
 
 
 class LogScanner:
@@ -115,38 +124,66 @@ def server_usage(server: ServerProcess) -> TreeUsage:
     return tree_usage(launcher + server.descendants())
 
 
-def snapshot(server: ServerProcess, nvme_rank_dir: Path) -> Snapshot:
-    """Measure the server tree and its two private directories now."""
+def listening_ports(pids: list[int | None]) -> frozenset[int]:
+    """TCP ports the given processes listen on (a store's master and holders); dead ones skipped."""
+    ports = set()
+    for pid in filter(None, pids):
+        try:
+            ports |= {c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp")
+                      if c.status == psutil.CONN_LISTEN}
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return frozenset(ports)
+
+
+def store_connection_kinds(usage: TreeUsage, store_ports: frozenset[int]) -> dict[str, int]:
+    """The `fd_kinds` entries of the I/O worker's connections to one of `store_ports`."""
+    prefix = "hiradix.io.worker tcp out :"
+    return {kind: n for kind, n in usage.fd_kinds.items()
+            if kind.startswith(prefix) and int(kind.removeprefix(prefix)) in store_ports}
+
+
+def snapshot(server: ServerProcess, nvme_rank_dir: Path, store_ports: frozenset[int] = frozenset()) -> Snapshot:
+    """Measure the server tree and its two private directories now (`store_ports`: the store's
+    processes' listening ports, whose connections are pooled: `Snapshot.store_connections`)."""
     sock = worker_socket_dir(server)
-    return Snapshot(server_usage(server), dir_modes(nvme_rank_dir), dir_modes(sock) if sock else {},
-                    live_worker_sockets(server))
+    usage = server_usage(server)
+    return Snapshot(usage, dir_modes(nvme_rank_dir), dir_modes(sock) if sock else {},
+                    live_worker_sockets(server), store_connection_kinds(usage, store_ports))
+
+
+def store_connection_problems(e: Snapshot, per_port_bound: int) -> list[str]:
+    """Pooled store connections over their bound: more than `per_port_bound` to one store port."""
+    return [f"{n} connections of the I/O worker to store port {kind.rsplit(':', 1)[1]}, more than "
+            f"its pool's {per_port_bound}" for kind, n in e.store_connections.items() if n > per_port_bound]
 
 
 def settled_snapshot(server: ServerProcess, nvme_rank_dir: Path, timeout_s: float,
-                     target: Snapshot | None = None) -> Snapshot:
+                     target: Snapshot | None = None, store_ports: frozenset[int] = frozenset()) -> Snapshot:
     """A snapshot once two reads 0.5 s apart agree (or equal `target`); the last one on timeout."""
     deadline = time.monotonic() + timeout_s
-    previous = snapshot(server, nvme_rank_dir)
+    previous = snapshot(server, nvme_rank_dir, store_ports)
     while time.monotonic() < deadline:
         if target is not None and previous.comparable() == target.comparable():
             return previous
         time.sleep(0.5)
-        current = snapshot(server, nvme_rank_dir)
+        current = snapshot(server, nvme_rank_dir, store_ports)
         if target is None and current.comparable() == previous.comparable():
             return current
         previous = current
     return previous
 
 
-def quiet_snapshot(server: ServerProcess, nvme_rank_dir: Path, quiet_s: float, timeout_s: float) -> Snapshot:
+def quiet_snapshot(server: ServerProcess, nvme_rank_dir: Path, quiet_s: float, timeout_s: float,
+                   store_ports: frozenset[int] = frozenset()) -> Snapshot:
     """A snapshot once its comparable part has not changed for `quiet_s` seconds; the last one on
     timeout. For a baseline taken right after a load: the connections the load left open close
     only after SGLang's HTTP keep-alive timeout (`SGLANG_TIMEOUT_KEEP_ALIVE`, 5 s)."""
     deadline = time.monotonic() + timeout_s
-    current, since = snapshot(server, nvme_rank_dir), time.monotonic()
+    current, since = snapshot(server, nvme_rank_dir, store_ports), time.monotonic()
     while time.monotonic() < deadline and time.monotonic() - since < quiet_s:
         time.sleep(0.5)
-        new = snapshot(server, nvme_rank_dir)
+        new = snapshot(server, nvme_rank_dir, store_ports)
         if new.comparable() != current.comparable():
             since = time.monotonic()
         current = new
@@ -261,15 +298,15 @@ def worker_respawns(b: Snapshot, e: Snapshot) -> int | None:
 
 
 def snapshot_diffs(b: Snapshot, e: Snapshot) -> list[str]:
-    """What differs between a baseline `b` and an end `e` (processes, fds, sockets, /dev/shm
-    entries, both directories; the worker socket directory must hold exactly the live worker's
+    """What differs between a baseline `b` and an end `e` (processes, fds and sockets other than
+    the pooled store connections, /dev/shm entries, both directories; the worker socket directory must hold exactly the live worker's
     two sockets, whichever incarnation it is: see `worker_respawns`), and the directories' modes
     that are not private."""
     problems = []
     for name, before, after in (
         ("processes", b.usage.num_processes, e.usage.num_processes),
-        ("open fds", b.usage.num_fds, e.usage.num_fds),
-        ("sockets", b.usage.num_sockets, e.usage.num_sockets),
+        ("open fds", b.own_fds()[0], e.own_fds()[0]),
+        ("sockets", b.own_fds()[1], e.own_fds()[1]),
         ("/dev/shm entries held", b.usage.shm_paths, e.usage.shm_paths),
         ("NVMe directory", b.nvme_dir, e.nvme_dir),
         ("worker socket directory", b.socket_dir_shape(), e.socket_dir_shape()),
@@ -277,8 +314,9 @@ def snapshot_diffs(b: Snapshot, e: Snapshot) -> list[str]:
         problems += _diff(name, before, after)
     if len(e.worker_sockets) != 2:
         problems.append(f"the live I/O worker's sockets not found at the end: {e.worker_sockets}")
-    if (b.usage.num_fds, b.usage.num_sockets) != (e.usage.num_fds, e.usage.num_sockets):
-        problems += _diff("open fds by process and kind", b.usage.fd_kinds, e.usage.fd_kinds)
+    if b.own_fds() != e.own_fds():
+        own = [{k: n for k, n in x.usage.fd_kinds.items() if k not in x.store_connections} for x in (b, e)]
+        problems += _diff("open fds by process and kind", *own)
     if not b.nvme_dir or not b.socket_dir:
         problems.append(f"NVMe or socket directory not found at the baseline: {b.nvme_dir}, {b.socket_dir}")
     for name, modes in (("NVMe directory", b.nvme_dir), ("worker socket directory", b.socket_dir)):

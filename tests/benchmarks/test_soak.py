@@ -121,6 +121,33 @@ def test_a_changed_fd_count_is_named_by_process_and_kind():
     assert end_checks(report, config) == []  # the same counts: kinds alone are not judged
 
 
+def test_pooled_store_connections_are_bounded_not_compared():
+    from bench.soak.observe import snapshot_diffs, store_connection_kinds, store_connection_problems
+
+    kinds = {"hiradix.io.worker tcp out :5000": 8, "hiradix.io.worker tcp out :6000": 1,
+             "hiradix.io.worker tcp out :7000": 1, "sglang::scheduler unix": 20}  # fmt: skip
+    base_usage = _usage(num_fds=179, num_sockets=32, fd_kinds=kinds)
+    store_ports = frozenset({5000, 6000})  # a holder's lanes, the master's RPC port; 7000 is not the store's
+    assert store_connection_kinds(base_usage, store_ports) == {"hiradix.io.worker tcp out :5000": 8,
+                                                               "hiradix.io.worker tcp out :6000": 1}
+    baseline = Snapshot(base_usage, NVME, SOCKETS, LIVE, store_connection_kinds(base_usage, store_ports))
+    # the pool grew to 16 lanes and the idle RPC connection closed: equal where it counts
+    grown = {**kinds, "hiradix.io.worker tcp out :5000": 16}
+    del grown["hiradix.io.worker tcp out :6000"]
+    end_usage = _usage(num_fds=186, num_sockets=39, fd_kinds=grown)
+    end = Snapshot(end_usage, NVME, SOCKETS, LIVE, store_connection_kinds(end_usage, store_ports))
+    assert end.comparable() == baseline.comparable() and snapshot_diffs(baseline, end) == []
+    assert store_connection_problems(end, 16) == []
+    assert store_connection_problems(end, 8) == ["16 connections of the I/O worker to store port 5000, more than its pool's 8"]
+    # a connection elsewhere is still compared and named
+    leaked = _usage(num_fds=187, num_sockets=40, fd_kinds={**grown, "hiradix.io.worker tcp out :7000": 2})
+    end = Snapshot(leaked, NVME, SOCKETS, LIVE, store_connection_kinds(leaked, store_ports))
+    assert snapshot_diffs(baseline, end) == [
+        "open fds: 170 at the baseline, 171 at the end", "sockets: 23 at the baseline, 24 at the end",
+        "open fds by process and kind differs from the baseline: added {}, removed {}, "
+        "changed {'hiradix.io.worker tcp out :7000': (1, 2)}"]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "end, expected",
     [
