@@ -175,8 +175,8 @@ class StoreConfig:
         device_name: RDMA device names, comma-separated (``""``: auto or TCP).
         tcp_connection_pool: send transfers over Mooncake's connection lanes (per holder, run
             on the transport's own thread). On (the default): measured with 0.3.13.post1, no
-            crash or wedge in ~1,000 s of two clients putting into a full store, where the
-            unpooled path (off) had 8 (it starts each transfer on the caller's thread while the
+            crash or wedge in ~23 client-minutes of two clients putting into a full store, where
+            the unpooled path (off) had 9 in ~36 (it starts each transfer on the caller's thread while the
             transport's thread runs the same timers: a segfault, a wedged put, or a transport
             thread spinning forever; ``hiradix.tiers.store.mooncake``). The cost: a frozen
             holder fails a call after up to ``stall_s`` instead of ``transfer_timeout_s``.
@@ -187,7 +187,7 @@ class StoreConfig:
             client (Mooncake's TCP transport can deadlock inside a put): the I/O worker exits,
             its jobs fail (misses; their DRAM pages are released) and a fresh worker starts.
             0 (the default): ``max(10, 4 * call_deadline_s)`` (28 s with the defaults). Raise it
-            when one batched call of 512 pages may honestly take longer (big pages, slow link).
+            when one call of ``keys_per_call`` pages may honestly take longer (big pages, slow link).
     """
 
     master_server_address: str
