@@ -78,15 +78,12 @@ from bench.soak.run import DRAM_MAPPERS
 from hiradix.testing.mooncake import MooncakeCluster
 from hiradix.testing.router import RouterProcess
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, stop_all
-from hiradix.tiers.store.base import StoreConfig
 
 logger = logging.getLogger(__name__)
 
 # A baseline is taken once a server's processes, fds, sockets and directories stayed unchanged
 # this long (> SGLang's 5 s HTTP keep-alive, so the connections the load left open have closed).
 QUIET_S = 8.0
-# The store client's pool bound per peer port (`StoreConfig.tcp_lanes_per_peer`, the servers' default)
-STORE_LANES_PER_PEER = StoreConfig("127.0.0.1:1").tcp_lanes_per_peer
 
 
 @dataclass(frozen=True)
@@ -412,8 +409,10 @@ def leftovers(m: Member) -> list[str]:
     return found + [f"{d} still exists" for d in sorted(m.socket_dirs) if Path(d).exists()]
 
 
-def judge_life(config: FleetConfig, name: str, life: Life, samples: Sequence[Sample], until_s: float) -> list[str]:
-    """Flat series of one life (the samples from its baseline until `until_s`), its end snapshot."""
+def judge_life(config: FleetConfig, name: str, life: Life, samples: Sequence[Sample], until_s: float,
+               store_lanes: int) -> list[str]:
+    """Flat series of one life (the samples from its baseline until `until_s`), its end snapshot
+    (`store_lanes`: the servers' `tcp_lanes_per_peer`, the bound of their store connections per port)."""
     if life.baseline is None or life.baseline_t_s is None:
         return [f"server {name}: no baseline for its life from t={life.started_t_s}s"]
     base_t = life.baseline_t_s
@@ -426,7 +425,7 @@ def judge_life(config: FleetConfig, name: str, life: Life, samples: Sequence[Sam
         problems.append(f"server {name}: HIRADIX_CHECK_INTEGRITY=1 not seen in the scheduler's environment")
     if life.end is not None:
         problems += [f"server {name}: {p}" for p in snapshot_diffs(life.baseline, life.end)]
-        problems += [f"server {name}: {p}" for p in store_connection_problems(life.end, STORE_LANES_PER_PEER)]
+        problems += [f"server {name}: {p}" for p in store_connection_problems(life.end, store_lanes)]
         life.worker_respawns = worker_respawns(life.baseline, life.end)
         life.rss_end_growth_bytes = life.end.usage.rss_bytes - life.baseline.usage.rss_bytes
         if life.rss_end_growth_bytes > rss_bound:
@@ -488,7 +487,7 @@ def judge(fleet: Fleet, load: FleetLoad) -> None:
         r.violations += [f"server {m.name} log: {line[:300]}" for line in m.scanner.errors]
         ends = [life.started_t_s for life in m.result.lives[1:]] + [float("inf")]
         for life, until_s in zip(m.result.lives, ends):
-            r.violations += judge_life(c, m.name, life, r.samples, until_s)
+            r.violations += judge_life(c, m.name, life, r.samples, until_s, fleet.cluster.config().tcp_lanes_per_peer)
     router_rss = [s.router_rss_bytes for s in r.samples if s.router_rss_bytes is not None]
     r.router_rss = flatness("router RSS", router_rss, c.router_rss_slack_bytes)
     r.violations += flat_violations([r.router_rss] if r.router_rss else [])

@@ -70,13 +70,13 @@ def _status_kib(pid: int) -> dict[str, int]:
     return values
 
 
-def _fd_targets(pid: int) -> list[str]:
-    """Link targets of `/proc/<pid>/fd/*` (`socket:[123]`, `/dev/shm/x`, ...)."""
+def _fd_targets(pid: int) -> dict[int, str]:
+    """`{fd: link target}` of `/proc/<pid>/fd/*` (`socket:[123]`, `/dev/shm/x`, ...)."""
     base = f"/proc/{pid}/fd"
-    targets = []
+    targets = {}
     for name in os.listdir(base):
         try:
-            targets.append(os.readlink(f"{base}/{name}"))
+            targets[int(name)] = os.readlink(f"{base}/{name}")
         except FileNotFoundError:  # closed while listing
             continue
     return targets
@@ -130,19 +130,15 @@ def _socket_kinds(process: psutil.Process) -> dict[int, str]:
     return kinds
 
 
-def fd_kinds(process: psutil.Process) -> dict[str, int]:
-    """`{"<role> <kind>": count}` of the process's open fds (`process_role`; kinds: the socket
-    kinds of `_socket_kinds`, "socket other", "pipe", "anon_inode:<name>", "file <path>")."""
+def fd_kinds(process: psutil.Process, targets: dict[int, str]) -> dict[str, int]:
+    """`{"<role> <kind>": count}` of the process's open fds `targets` (`_fd_targets`; role:
+    `process_role`; kinds: the socket kinds of `_socket_kinds`, "socket other", "pipe",
+    "anon_inode:<name>", "file <path>")."""
     role, counts = process_role(process), {}
     sockets = _socket_kinds(process)
-    base = f"/proc/{process.pid}/fd"
-    for name in os.listdir(base):
-        try:
-            target = os.readlink(f"{base}/{name}")
-        except FileNotFoundError:  # closed while listing
-            continue
+    for fd, target in targets.items():
         if target.startswith("socket:"):
-            kind = sockets.get(int(name), "socket other")
+            kind = sockets.get(fd, "socket other")
         elif target.startswith("pipe:"):
             kind = "pipe"
         elif target.startswith("anon_inode:"):
@@ -179,7 +175,7 @@ def tree_usage(processes: Iterable[psutil.Process]) -> TreeUsage:
             targets = _fd_targets(process.pid)
             mapped = _shm_maps(process.pid)
             names[process.pid] = process.name()
-            for key, count in fd_kinds(process).items():
+            for key, count in fd_kinds(process, targets).items():
                 kinds[key] = kinds.get(key, 0) + count
         except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
             continue
@@ -187,8 +183,8 @@ def tree_usage(processes: Iterable[psutil.Process]) -> TreeUsage:
         anon += kib["RssAnon"] * 1024
         shmem += kib["RssShmem"] * 1024
         fds += len(targets)
-        sockets += sum(t.startswith("socket:") for t in targets)
-        shm |= mapped | {t.removesuffix(" (deleted)") for t in targets if t.startswith(prefix)}
+        sockets += sum(t.startswith("socket:") for t in targets.values())
+        shm |= mapped | {t.removesuffix(" (deleted)") for t in targets.values() if t.startswith(prefix)}
     return TreeUsage(dict(sorted(names.items())), rss, anon, shmem, fds, sockets, sorted(shm), dict(sorted(kinds.items())))
 
 

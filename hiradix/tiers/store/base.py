@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, Protocol, runtime_checkable
 import numpy as np
 
 PROTOCOLS: tuple[str, ...] = ("tcp", "rdma")
+UNPOOLED_KEYS_PER_CALL = 512  # keys per Mooncake call on the unpooled transport (one batched call)
 
 
 class StoreConfigError(ValueError):
@@ -226,8 +227,8 @@ class StoreConfig:
 
     @property
     def keys_per_call(self) -> int:
-        """Most keys one Mooncake call carries: one per lane when pooled, else 512."""
-        return self.tcp_lanes_per_peer if self.tcp_connection_pool else 512
+        """Most keys one Mooncake call carries: one per lane when pooled, else ``UNPOOLED_KEYS_PER_CALL``."""
+        return self.tcp_lanes_per_peer if self.tcp_connection_pool else UNPOOLED_KEYS_PER_CALL
 
     @property
     def call_deadline_s(self) -> float:
