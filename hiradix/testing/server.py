@@ -126,6 +126,11 @@ def cpu_env(tp_size: int = 1, threads_per_rank: int | None = 1) -> dict[str, str
     PyTorch's two threads and 42.7 s once one other process kept a core busy (each parallel
     region waits for the descheduled thread); with one thread, 1.75 s and 1.9 s. Tests run
     several servers and clients at once, so they keep it at 1.
+    `TORCHDYNAMO_DISABLE=1`: SGLang's MoE top-k functions (DeepSeek, Kimi) are `torch.compile`d,
+    and on this CPU path each scheduler compiled them in its warm-up request: 5-11 s of CPU per
+    MoE server (measured, tiny-deepseek-v3 alone: warm-up 12 s cold inductor cache, 6 s warm, 1 s
+    eager), 60-130 s of the MLA module's start. Eager top-k is the same function; stock and
+    hiradix servers of a test run it alike. (Read when SGLang is imported: a zygote's key.)
     With `--tp-size N` > 1, `SGLANG_CPU_OMP_THREADS_BIND` gives each rank its CPUs ("0|1" for
     two ranks on cores 0 and 1; the cores are shared round-robin when there are fewer):
     without it stock SGLang fails in `init_threads_binding`.
@@ -138,7 +143,7 @@ def cpu_env(tp_size: int = 1, threads_per_rank: int | None = 1) -> dict[str, str
         Variables to merge into the server's environment (`ServerProcess(env=...)`).
     """
     env = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
-           "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
+           "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0", "TORCHDYNAMO_DISABLE": "1"}
     if threads_per_rank is not None:
         if threads_per_rank < 1:
             raise ValueError(f"threads_per_rank must be >= 1 or None, got {threads_per_rank}")

@@ -391,7 +391,8 @@ def test_cpu_args_are_explicit():
     assert {"--sleep-on-idle", "--enable-cache-report", "--enable-metrics"} <= set(args)
     assert args[args.index("--attention-backend") + 1] == "torch_native"
     assert cpu_env() == {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
-                         "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0", "OMP_NUM_THREADS": "1"}
+                         "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0", "OMP_NUM_THREADS": "1",
+                         "TORCHDYNAMO_DISABLE": "1"}
     assert "OMP_NUM_THREADS" not in cpu_env(threads_per_rank=None)
     assert cpu_env(tp_size=2, threads_per_rank=2)["OMP_NUM_THREADS"] == "2"
     with pytest.raises(ValueError):
