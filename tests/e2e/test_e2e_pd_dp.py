@@ -51,7 +51,8 @@ DP_SESSIONS, DP_FLAGS = 8, ["--tp-size", "2", "--attn-dp-size", "2", "--max-runn
 SESSIONS, TURNS = 8, 3
 PAGE = 16
 IDLE_WINDOW_S = 3.0  # how long an idle DP controller's CPU is measured
-PD_WAITING_TIMEOUT_S = 45  # SGLANG_DISAGGREGATION_WAITING_TIMEOUT of the PD pair, in seconds
+PD_WAITING_TIMEOUT_S = 30  # SGLANG_DISAGGREGATION_WAITING_TIMEOUT of the PD pair, in seconds (> the longest
+# normal wait: 8 chats on a prefill server running 2, each batch waiting up to its 5 s load timeout)
 # `--served-model-name default`: the router picks PD workers by model id, and the chats name "default".
 PD_FLAGS = ["--page-size", "16", "--disaggregation-transfer-backend", "mooncake_tcp", "--disable-overlap-schedule",
             "--max-running-requests", "2", "--served-model-name", "default"]  # fmt: skip
