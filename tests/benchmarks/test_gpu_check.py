@@ -113,6 +113,12 @@ def _tarball(path: Path) -> None:
         tf.addfile(info, io.BytesIO(data))
 
 
+def _whole(check: dict) -> str:
+    """A check's whole result for an assertion message (pytest cuts a dict short of a failed
+    method's ``reason``)."""
+    return json.dumps(check, default=str)[:6000]
+
+
 def _run(tmp_path: Path, *extra: str) -> dict:
     wheels = tmp_path / "whl"
     wheels.mkdir()
@@ -137,7 +143,7 @@ def test_cpu_dry_run_exercises_every_check(tmp_path):
     assert set(checks) == {"layerwise", "nvme", "mla", "cold", "flashinfer", "dp"}
     assert checks["dp"]["status"] == "skipped" and checks["dp"]["reason"] == "needs 2 GPUs (TP 2 x DP 2); 0 visible"
     mla = checks["mla"]
-    assert mla["status"] == "ok", json.dumps(mla, default=str)[:6000]  # whole: a failed method names its reason
+    assert mla["status"] == "ok", _whole(mla)
     assert mla["layout"]["row"] == 576 and mla["layout"]["layer_page_bytes"] == 16 * 576 * 2
     for path in ("gather", "runs", "host"):
         assert mla["load_paths"][path]["status"] == "ok" and mla["load_paths"][path]["verified_bit_exact"], path
@@ -145,7 +151,7 @@ def test_cpu_dry_run_exercises_every_check(tmp_path):
     assert mla["attention"]["torch_fp32_vs_fp64_rel_err"] < 1e-2
     assert mla["attention"]["flashinfer"] == {"status": "skipped", "reason": "no CUDA device"}
     cold = checks["cold"]
-    assert cold["status"] == "ok", json.dumps(cold, default=str)[:6000]
+    assert cold["status"] == "ok", _whole(cold)
     for fmt, ratio in (("fp8", 1.9), ("int4", 2.5)):  # bf16 pages of 16 tokens
         assert cold[fmt]["codec"]["ratio"] > ratio and cold[fmt]["codec"]["device_cpu_identical_byte_share"] == 1.0
         mover = cold[fmt]["mover"]
@@ -153,7 +159,7 @@ def test_cpu_dry_run_exercises_every_check(tmp_path):
         assert 0 < mover["max_rel_err"] and mover["pcie_bytes"] * ratio < cold["exact_mover"]["pcie_bytes"]
     assert cold["exact_mover"]["within_bound"] and cold["exact_mover"]["max_rel_err"] == 0.0
     lw = checks["layerwise"]
-    assert lw["status"] == "ok", json.dumps(lw, default=str)[:6000]
+    assert lw["status"] == "ok", _whole(lw)
     assert set(lw["variants"]) == {"gather_pinned", "runs_pinned", "host_pageable", "limit_memcpy_pinned"}
     for name, v in lw["variants"].items():
         assert v["status"] == "ok" and v["verified_bit_exact"], (name, v)
@@ -168,7 +174,7 @@ def test_cpu_dry_run_exercises_every_check(tmp_path):
     assert lw["auto_path"]["path"] == "host" and lw["pinned"] is False
     assert lw["store"]["status"] == "ok" and lw["store"]["d2h_copies"] >= 1
     nv = checks["nvme"]
-    assert nv["status"] == "ok", json.dumps(nv, default=str)[:6000]  # pytest cuts a dict short of its methods
+    assert nv["status"] == "ok", _whole(nv)
     assert nv["write"]["ok"]
     assert nv["auto_device_read_path"]["path"] == "posix"
     methods = nv["methods"]
@@ -178,7 +184,7 @@ def test_cpu_dry_run_exercises_every_check(tmp_path):
     assert methods["store_to_device_kvikio"]["status"] == "skipped"
     assert methods["raw_kvikio_to_gpu"]["status"] == "skipped"
     fl = checks["flashinfer"]
-    assert fl["status"] == "ok", json.dumps(fl, default=str)[:6000]
+    assert fl["status"] == "ok", _whole(fl)
     for trial in fl["torch_reference"]["trials"]:
         assert trial["pages_loaded_bit_exact"]
         assert trial["fp64_from_pool_vs_fp64_from_dram_max_rel_err"] == 0.0
