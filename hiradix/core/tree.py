@@ -439,14 +439,15 @@ class TieredRadixTree:
             if parent is not None and parent in cands:
                 heapq.heappush(heap, (key(parent, tier), parent.id, parent))
 
-    def plan_evict(self, tier: Tier, num_pages: int, allow_sole: bool) -> list[TreeNode]:
+    def plan_evict(self, tier: Tier, num_pages: int, allow_sole: bool, spare: Optional[Tier] = None) -> list[TreeNode]:
         """Choose copies of ``tier`` (DRAM or NVMe) to drop so ``num_pages`` pages come free.
 
         Read-only: nothing changes. Policy order within two passes: copies another local tier
-        also holds first; then, if ``allow_sole``, last local copies (a store copy is only a
-        hint), each node after its children in this tier (dropping a last copy deletes the
-        node, which may make its parent a leaf; a child the store still holds stays, so its
-        parent's last copy does not go).
+        also holds first (except, with ``spare``, those whose one other local copy is in
+        ``spare``: dropping one would leave a last copy there); then, if ``allow_sole``, last
+        local copies (a store copy is only a hint), each node after its children in this tier
+        (dropping a last copy deletes the node, which may make its parent a leaf; a child the
+        store still holds stays, so its parent's last copy does not go).
 
         Returns:
             The nodes, in the order to drop them (children before parents): just enough for
@@ -456,7 +457,9 @@ class TieredRadixTree:
         cands = self._candidates[tier]
         chosen: list[TreeNode] = []
         freed = 0
-        for node in sorted((n for n in cands if n.num_local_tiers > 1), key=lambda n: (key(n, tier), n.id)):
+        redundant = (n for n in cands if n.num_local_tiers > 1
+                     and (spare is None or n.num_local_tiers > 2 or not n.in_tier(spare)))
+        for node in sorted(redundant, key=lambda n: (key(n, tier), n.id)):
             if freed >= num_pages:
                 return chosen
             chosen.append(node)

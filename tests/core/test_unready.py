@@ -1,8 +1,7 @@
 """Unready pages (issue 12, deliverable 3) and reads for predicted returns, scripted.
 
-The real prefix cache, controller, placement and ledger over the data-less ports on a virtual
-clock: NVMe writes take 1 s per page, reads 0.5 s, so every transfer's timing is exact. After
-every step the invariants hold (books + HBM balance).
+On a simulated server (:class:`tests.helpers.sim_server.SimServer`): NVMe writes take 1 s per
+page, reads 0.5 s.
 """
 
 from __future__ import annotations
@@ -12,76 +11,14 @@ from hiradix.core.ledger import Kind
 from hiradix.core.node import Tier
 from hiradix.core.policy import LRUPolicy
 from hiradix.core.ports import READ_AT_ADMISSION, READ_BACKGROUND
-from hiradix.core.prefix_cache import TieredPrefixCache
 from hiradix.core.predict import PredictivePolicy
 from hiradix.core.tree import TieredRadixTree
-from hiradix.testing.sim_ports import SimClock, SimDevicePool, SimStore, simulated_controller
-from tests.helpers.core import serve_request
-
-PS = 2  # tokens per page
-TIMEOUT_S = 2.0
-
-
-class Server:
-    """One simulated server (HBM 64 tokens unless given)."""
-
-    def __init__(self, policy=None, dram_pages: int = 8, nvme_slots: int = 32, hbm_tokens: int = 64,
-                 write_s: float = 1.0, read_s: float = 0.5, dram_free_low_pages: int = 0, store=None):
-        self.clock = SimClock()
-        self.tree = TieredRadixTree(PS, policy or LRUPolicy(), clock=self.clock)
-        self.tiers = simulated_controller(self.tree, dram_pages, nvme_slots, page_bytes=64, write_through=True,
-                                          clock=self.clock, read_s_per_page=read_s, write_s_per_page=write_s,
-                                          store=store, store_read_s_per_page=read_s)
-        self.tiers.placement.dram_free_low_pages = dram_free_low_pages
-        self.device = SimDevicePool(hbm_tokens, PS)
-        self.cache = TieredPrefixCache(self.tree, self.device, self.tiers, load_timeout_s=TIMEOUT_S)
-        self.io = self.tiers.client
-        self.submitted: list[tuple[int, int]] = []  # (op id, priority) of every NVMe read
-        real = self.io.submit_load
-
-        def spy(job_id, slots, pages, priority=READ_AT_ADMISSION):
-            self.submitted.append((job_id, priority))
-            real(job_id, slots, pages, priority=priority)
-
-        self.io.submit_load = spy
-
-    def check(self) -> None:
-        self.cache.check_integrity(0, used_tokens=self.device.num_used_tokens())
-
-    def at(self, t_s: float) -> None:
-        """Advance the clock to ``t_s`` and run a scheduler step."""
-        self.clock.advance_to(t_s)
-        self.cache.step()
-        self.check()
-
-    def serve(self, tokens: list[int]):
-        """A request: its HBM hit, its DRAM part loaded back, the rest computed; inserted, finished."""
-        last = serve_request(self.cache, tokens)
-        self.check()
-        return last
-
-    def compute(self, tokens: list[int]):
-        """A request that recomputes all of ``tokens`` (no match, no reads) and inserts them."""
-        m = self.tree.match(tokens, split=True, touch=False)
-        self.cache.lock(m.hbm_node)
-        new = self.cache.alloc_device(len(tokens) - m.hbm_len)
-        _, last = self.cache.checkpoint(tokens, None, self.cache.path_slots(m.hbm_node) + new, m.hbm_len)
-        self.cache.unlock(m.hbm_node)
-        self.check()
-        return last
-
-    def drop_hbm(self) -> None:
-        """Evict everything evictable from HBM (what is not in DRAM is lost)."""
-        self.cache.evict(self.tree.hbm_evictable_tokens)
-        self.check()
-
-
-def keys(tag: int, pages: int = 2) -> list[int]:
-    return [tag * 100 + i for i in range(pages * PS)]
+from hiradix.testing.sim_ports import SimClock, SimStore
+from tests.helpers.sim_server import PS, TIMEOUT_S, SimServer, keys
 
 
 def test_a_page_being_written_to_nvme_is_served_from_dram_until_the_write_lands():
-    s = Server(dram_pages=4, dram_free_low_pages=4)  # DRAM always "short": a landed store moves down
+    s = SimServer(dram_pages=4, dram_free_low_pages=4)  # DRAM always "short": a landed store moves down
     node = s.serve(keys(1))
     s.at(0.0)  # the write-through backup lands in DRAM
     s.drop_hbm()  # the DRAM copy is the last one: its store to NVMe starts (2 pages: 2 s)
@@ -103,7 +40,7 @@ def test_an_admission_read_drops_dram_copies_still_waiting_for_nvme_not_its_own(
     # DRAM 3 pages; one store to NVMe in flight at a time (10 s/page): DRAM fills with last
     # copies waiting for their store.
     monkeypatch.setattr("hiradix.core.controller.MAX_DEMOTIONS_IN_FLIGHT", 1)
-    s = Server(dram_pages=3, write_s=10.0)
+    s = SimServer(dram_pages=3, write_s=10.0)
     old = s.serve(keys(1, pages=1))
     s.at(0.0)
     s.drop_hbm()  # old: DRAM only, its store runs until t = 10
@@ -137,7 +74,7 @@ def test_an_admission_read_drops_dram_copies_still_waiting_for_nvme_not_its_own(
 
 def test_no_admission_with_an_unread_nvme_part_until_its_timeout():
     # DRAM 2 pages, both pinned by stores in flight (10 s/page): the read cannot start.
-    s = Server(dram_pages=2, write_s=10.0)
+    s = SimServer(dram_pages=2, write_s=10.0)
     first = s.serve(keys(1, pages=1))
     s.at(0.0)
     s.drop_hbm()  # its store runs until t = 10
@@ -168,7 +105,7 @@ def test_no_admission_with_an_unread_nvme_part_until_its_timeout():
 
 def learned_server(**kw) -> Server:
     """A predictive server that has seen 40 conversations come back 30 s after their first turn."""
-    s = Server(PredictivePolicy(update_s=1.0, by_turn=False, by_size=False), **kw)
+    s = SimServer(PredictivePolicy(update_s=1.0, by_turn=False, by_size=False), **kw)
     for k in range(40):
         s.at(float(k))
         s.serve(keys(k, pages=1))
