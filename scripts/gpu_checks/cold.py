@@ -20,7 +20,7 @@ import traceback
 import types
 from typing import Any
 
-from gpu_checks.common import Ctx, _device, _r, _sync, ensure_layer_done_counter
+from gpu_checks.common import Ctx, _device, _gbps, _r, _sync, ensure_layer_done_counter
 
 BOUND = {"fp8": 1 / 16, "int4": 1 / 4}  # max |x - x'| / max |x| per layer page, loose
 
@@ -69,7 +69,7 @@ def _codec(dev, s: dict[str, Any], fmt: str) -> dict[str, Any]:
     return {"encoded_page_bytes": codec.encoded_bytes, "ratio": _r(layout.page_bytes / codec.encoded_bytes, 3),
             "device_cpu_identical_byte_share": _r(float((enc.cpu() == cpu_enc).float().mean()), 6),
             "device_cpu_decode_max_abs_diff": _r(float(diff), 6),
-            "encode_GBps": _r(src_bytes / enc_s / 1e9, 2), "decode_GBps": _r(src_bytes / dec_s / 1e9, 2)}
+            "encode_GBps": _gbps(src_bytes, enc_s), "decode_GBps": _gbps(src_bytes, dec_s)}
 
 
 def _mover(dev, s: dict[str, Any], fmt: str | None) -> dict[str, Any]:

@@ -39,6 +39,13 @@ def _r(x: float | None, nd: int = 3) -> float | None:
     return None if x is None else round(float(x), nd)
 
 
+def _gbps(nbytes: float, seconds: float) -> float:
+    """``nbytes`` in ``seconds`` as 1e9 bytes/s to 3 significant digits: a slow run (a loaded
+    CPU machine's dry run) stays above 0 (rounded to decimals it read 0.0, and a share of it
+    divided by zero)."""
+    return float(f"{nbytes / seconds / 1e9:.3g}")
+
+
 def _run_cmd(cmd: list[str] | str, timeout: float = 15.0) -> dict[str, Any]:
     """Run a small command; never raises, never hangs longer than ``timeout``."""
     try:

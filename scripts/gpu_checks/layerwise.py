@@ -25,7 +25,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from gpu_checks.common import Ctx, _device, _llama_cfg, _median, _r, _sync, ensure_layer_done_counter
+from gpu_checks.common import Ctx, _device, _gbps, _llama_cfg, _median, _r, _sync, ensure_layer_done_counter
 
 
 class _Variant:
@@ -218,7 +218,7 @@ def _measure(ctx: Ctx, dev, name: str, var: _Variant, s: dict[str, Any], timing:
     load_ms, over_ms = _median([a for a, _ in loads]), _median([a for a, _ in over])
     compute_ms = timing["compute_ms"]
     exposed = over_ms - compute_ms
-    v.update(load_alone_ms=_r(load_ms), load_GBps=_r(s["load_bytes"] / (load_ms / 1e3) / 1e9, 2),
+    v.update(load_alone_ms=_r(load_ms), load_GBps=_gbps(s["load_bytes"], load_ms / 1e3),
              start_call_ms=_r(_median([b for _, b in over])), overlapped_ms=_r(over_ms),
              exposed_load_ms=_r(exposed), exposed_share_of_load=_r(exposed / load_ms, 3),
              ideal_exposed_share=_r(max(0.0, load_ms - compute_ms) / load_ms, 3),
@@ -263,10 +263,9 @@ def _store_check(dev, s: dict[str, Any]) -> dict[str, Any]:
         stage.copy_(target, non_blocking=True)
         _sync(dev)
         lim.append(time.perf_counter() - t0)
-    gbps, lim_gbps = s["load_bytes"] / _median(times) / 1e9, s["load_bytes"] / _median(lim) / 1e9
     return {"status": "ok", "pool": "pinned" if pool is s["pinned"] else "pageable", "d2h_copies": copies,
-            "GBps": _r(gbps, 2), "host_call_ms": _r(_median(host_ms)), "limit_d2h_GBps": _r(lim_gbps, 2),
-            "share_of_limit": _r(gbps / lim_gbps, 3)}
+            "GBps": _gbps(s["load_bytes"], _median(times)), "host_call_ms": _r(_median(host_ms)),
+            "limit_d2h_GBps": _gbps(s["load_bytes"], _median(lim)), "share_of_limit": _r(_median(lim) / _median(times), 3)}
 
 
 def check_layerwise(ctx: Ctx) -> None:

@@ -18,7 +18,7 @@ import time
 import traceback
 from typing import Any
 
-from gpu_checks.common import Ctx, _device, _median, _r, _sync
+from gpu_checks.common import Ctx, _device, _gbps, _median, _r, _sync
 
 LORA, ROPE = 512, 64  # DeepSeek-V3 / R1 / Kimi K2
 
@@ -104,7 +104,7 @@ def _load_paths(ctx: Ctx, dev, s: dict[str, Any]) -> None:
                 _sync(dev)
                 times.append(time.perf_counter() - t)
             ms = _median(times) * 1e3 / layout.num_layers
-            rec.update(load_ms_per_layer=_r(ms, 3), load_GBps=_r(s["n"] * layout.layer_page_bytes / (ms * 1e-3) / 1e9, 2))
+            rec.update(load_ms_per_layer=_r(ms, 3), load_GBps=_gbps(s["n"] * layout.layer_page_bytes, ms * 1e-3))
             rec["verified_bit_exact"] = all(
                 torch.equal(s["kv"][layer][s["slots"], 0].cpu().view(torch.int16),
                             _expected(s, pool, layer).view(torch.int16)) for layer in range(layout.num_layers))

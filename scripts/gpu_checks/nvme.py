@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from gpu_checks.common import Ctx, _device, _llama_cfg, _median, _r, _run_cmd, fs_info, pick_disk_dir
+from gpu_checks.common import Ctx, _device, _gbps, _llama_cfg, _median, _r, _run_cmd, fs_info, pick_disk_dir
 
 RAW_PIECE_BYTES = 8 << 20
 
@@ -138,7 +138,7 @@ def check_nvme(ctx: Ctx) -> None:
         _drop_cache(st.path)
         wt = time.perf_counter() - t0
         res.update(posix_direct_io=st.direct_io, cache_drop=_drop_cache(st.path),
-                   write={"ok": all(oks), "s": _r(wt), "GBps": _r(num * pb / wt / 1e9, 2), "backend": "posix"})
+                   write={"ok": all(oks), "s": _r(wt), "GBps": _gbps(num * pb, wt), "backend": "posix"})
         reason, compat = gds_status()
         res["auto_device_read_path"] = dict(zip(("path", "reason"), choose_device_read_path(reason, compat)))
         if reason is None:
@@ -170,7 +170,7 @@ def _methods(ctx: Ctx, dev, st, src, kvikio_reason, num: int, sb: int) -> dict[s
 
     times, got = _timed(reps, ctx, drop, lambda: raw_posix_read(st.path, total_raw, st.threads))
     methods["raw_posix_read"] = {"status": "ok", "bytes": got, "median_s": _r(_median(times), 4),
-                                 "GBps": _r(total_raw / _median(times) / 1e9, 2)}
+                                 "GBps": _gbps(total_raw, _median(times))}
     for path in ("posix", "kvikio"):
         name = f"store_to_device_{path}"
         if path == "kvikio" and kvikio_reason is not None:
@@ -188,7 +188,7 @@ def _methods(ctx: Ctx, dev, st, src, kvikio_reason, num: int, sb: int) -> dict[s
 
             times, ok = _timed(reps, ctx, prepare, lambda: _sync_after(dev, st.read_slots_to_device(order, dst, path)))
             methods[name] = {"status": "ok", "verified": all(ok) and torch.equal(dst, want),
-                             "median_s": _r(_median(times), 4), "GBps": _r(payload / _median(times) / 1e9, 2)}
+                             "median_s": _r(_median(times), 4), "GBps": _gbps(payload, _median(times))}
         except Exception as exc:
             methods[name] = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}",
                              "traceback": traceback.format_exc()[-1200:]}
@@ -231,6 +231,6 @@ def _raw_kvikio(ctx: Ctx, dev, st, kvikio_reason, reps: int, total: int) -> dict
         finally:
             f.close()
         return {"status": "ok", "bytes": int(got), "direct_io_supported": direct,
-                "median_s": _r(_median(times), 4), "GBps": _r(total / _median(times) / 1e9, 2)}
+                "median_s": _r(_median(times), 4), "GBps": _gbps(total, _median(times))}
     except Exception as exc:
         return {"status": "failed", "reason": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-1200:]}

@@ -64,6 +64,14 @@ def test_pick_disk_dir_takes_the_explicit_dir(gc, tmp_path):
     assert "fstype" in seen["candidates"][str(tmp_path)]
 
 
+def test_rates_of_a_slow_run_stay_above_zero_and_shares_divide(gc):
+    # a loaded machine's dry run read 0.56 MB in > 0.1 s: GB/s rounded to 2 decimals was 0.0 and
+    # the NVMe check's share of the raw read divided by zero (the check failed)
+    common = sys.modules["gpu_checks.common"]
+    assert common._gbps(0.56e6, 0.2) == 0.0028 and common._gbps(2e9, 1.0) == 2.0
+    assert common._gbps(1.0, 3.0) == 3.33e-10
+
+
 @pytest.mark.skipif(CUDA, reason="checks the no-GPU skip path")
 @pytest.mark.parametrize("name", ["layerwise", "nvme", "mla", "flashinfer"])
 def test_checks_skip_cleanly_without_cuda(gc, tmp_path, name):

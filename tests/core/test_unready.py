@@ -103,7 +103,7 @@ def test_no_admission_with_an_unread_nvme_part_until_its_timeout():
     assert not s.cache.should_wait(keys(1, pages=1)) and first.in_tier(Tier.DRAM)
 
 
-def learned_server(**kw) -> Server:
+def learned_server(**kw) -> SimServer:
     """A predictive server that has seen 40 conversations come back 30 s after their first turn."""
     s = SimServer(PredictivePolicy(update_s=1.0, by_turn=False, by_size=False), **kw)
     for k in range(40):
@@ -115,7 +115,7 @@ def learned_server(**kw) -> Server:
     return s
 
 
-def nvme_only(s: Server, ages_s: dict, now_s: float, pages: int = 2) -> dict:
+def nvme_only(s: SimServer, ages_s: dict, now_s: float, pages: int = 2) -> dict:
     """Conversations served ``age`` seconds before ``now_s``, then pushed down to NVMe only."""
     convs = {}
     for age, tag in ages_s.items():
