@@ -249,17 +249,17 @@ def test_salted_requests_through_the_router_never_hit_each_others_pages(router, 
     assert other["text"] == unsalted["text"] == same["text"] == first["text"]
 
 
-def test_a_killed_worker_is_routed_around_and_rejoins_with_the_store(router, pair, stock_outputs):
+def test_a_killed_worker_is_routed_around_and_rejoins_with_the_store(router, pair, stock_outputs, store_reader):
     a, b = pair
     sessions = KILLED_SESSIONS
     histories = [[{"role": "system", "content": "You are a terse assistant."}] for _ in sessions]
     results: list[list[dict]] = [[] for _ in sessions]
-    first_turn_done, count_lock = threading.Event(), threading.Lock()
+    first_turn_done, turn_two, count_lock = threading.Event(), threading.Event(), threading.Lock()
     answered = [0]
 
     def one(i: int, t: int) -> None:
         histories[i].append({"role": "user", "content": user_turn(sessions[i], t, WORDS)})
-        r = answered_in_time(chat(router.base_url, histories[i]))
+        r = answered_in_time(chat(router.base_url, histories[i], return_token_ids=True))
         histories[i].append({"role": "assistant", "content": r["text"]})
         results[i].append(r)
         with count_lock:
@@ -268,12 +268,23 @@ def test_a_killed_worker_is_routed_around_and_rejoins_with_the_store(router, pai
                 first_turn_done.set()
 
     def session(i: int) -> None:
-        for t in range(TURNS - 1):
+        one(i, 0)
+        assert turn_two.wait(ANSWER_WITHIN_S)
+        for t in range(1, TURNS - 1):
             one(i, t)
 
     with ThreadPoolExecutor(max_workers=len(sessions)) as pool:
         running = [pool.submit(session, i) for i in range(len(sessions))]
         assert first_turn_done.wait(ANSWER_WITHIN_S)
+        # The first turns' pages are in the store before B dies: a writer killed inside a PUT
+        # leaves Mooncake's claim on those keys for its master's put_start_discard_timeout_sec
+        # (30 s), and every other writer's PUT of them meanwhile reports success without storing
+        # (measured: tests would then miss pages A "wrote"; a known gap, see bench/RESULTS.md).
+        key_prefix = logged_key_prefix(a.log_text())
+        for r in (session_results[0] for session_results in results):
+            # the KV of the last output token is never computed: its page is not cached
+            wait_until_stored(store_reader, key_prefix, r["prompt_ids"] + r["output_ids"][:-1], PAGE_TOKENS)
+        turn_two.set()
         b.signal_group(signal.SIGKILL)  # B dies with requests of turn 2 in flight or queued
         for f in running:
             f.result()
