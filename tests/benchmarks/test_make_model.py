@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -30,8 +31,9 @@ def _hashes(d: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def two_builds(tmp_path_factory):
     a, b = tmp_path_factory.mktemp("a") / "tiny", tmp_path_factory.mktemp("b") / "tiny"
-    _build(a)
-    _build(b)  # a separate process: hash seeds and thread scheduling differ
+    # two processes at once (hash seeds and thread scheduling differ), one core each
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(_build, (a, b)))
     return a, b
 
 
