@@ -72,16 +72,16 @@ class Placement:
         """
         return self._drop(self._plan(tier, num_pages, allow_drop), tier)
 
-    def room_for(self, tier: Tier, n: int, allow_drop: Optional[bool] = None, spare: Optional[Tier] = None) -> bool:
+    def room_for(self, tier: Tier, n: int, allow_drop: Optional[bool] = None) -> bool:
         """Make ``n`` pages of ``tier`` free, atomically: either they are free afterwards, or
-        nothing was dropped (and False is returned). ``spare``: see :meth:`TieredRadixTree.plan_evict`."""
+        nothing was dropped (and False is returned)."""
         pool = self.books.allocator(tier) if self.books is not None else None
         if pool is None or n > pool.capacity:
             return False
         short = n - pool.num_free
         if short <= 0:
             return True
-        plan = self._plan(tier, short, allow_drop, spare)
+        plan = self._plan(tier, short, allow_drop)
         if sum(node.num_tokens for node in plan) // self.tree.page_size < short:
             return False
         self._drop(plan, tier)
@@ -93,11 +93,16 @@ class Placement:
             return None
         return self.books.alloc(tier, n)
 
-    def _plan(self, tier: Tier, num_pages: int, allow_drop: Optional[bool], spare: Optional[Tier] = None) -> list[TreeNode]:
+    def _plan(self, tier: Tier, num_pages: int, allow_drop: Optional[bool]) -> list[TreeNode]:
         if self.books is None or num_pages <= 0:
             return []
         if allow_drop is None:
             allow_drop = not self.lower_has_room(tier)
+        # NVMe's room is only ever for DRAM's pages (DEMOTE is the one transfer into NVMe): an
+        # NVMe copy whose node keeps only its DRAM copy is no room at all, since dropping it makes
+        # that DRAM copy a last copy needing the same store (two such nodes displaced each other
+        # at every step, forever: an idle server kept writing).
+        spare = Tier.DRAM if tier == Tier.NVME else None
         return self.tree.plan_evict(tier, num_pages, allow_sole=allow_drop, spare=spare)
 
     def _drop(self, plan: list[TreeNode], tier: Tier) -> int:
@@ -107,17 +112,12 @@ class Placement:
                 allow_drop: Optional[bool] = None, ahead: bool = False) -> Optional[Transfer]:
         """Make room for a transfer of ``nodes`` and open it in the ledger.
 
-        A DEMOTE never makes its room on NVMe by dropping a copy whose node keeps only its DRAM
-        copy: that copy would become a last copy needing the same store, and two such nodes
-        would displace each other at every step, forever (an idle server kept writing).
-
         Returns:
             The transfer, or None (nothing dropped, nothing reserved) when no room can be made.
         """
         if kind != Kind.PROMOTE:
             pages = sum(len(page_ids(n, kind.src, self.tree.page_size)) for n in nodes)
-            spare = Tier.DRAM if kind == Kind.DEMOTE else None
-            if not self.room_for(kind.dst, pages, allow_drop, spare=spare):
+            if not self.room_for(kind.dst, pages, allow_drop):
                 return None
         return self.books.prepare(kind, nodes, hbm_slots=hbm_slots, ahead=ahead)
 
@@ -129,13 +129,8 @@ class Placement:
             if keep is not None and keep(node):
                 continue
             if (node.alive and node.in_tier(Tier.NVME) and node.in_tier(Tier.DRAM)
-                    and node.pinned[Tier.DRAM] == 0 and self.dram_short()):
+                    and node.pinned[Tier.DRAM] == 0 and books.dram.num_free < self.dram_free_low_pages):
                 books.drop_copy(node, Tier.DRAM)
-
-    def dram_short(self) -> bool:
-        """Whether DRAM is short of free pages (fewer than ``dram_free_low_pages``): a page just
-        stored on NVMe then leaves DRAM (:meth:`after_demote`)."""
-        return self.books is not None and self.books.dram.num_free < self.dram_free_low_pages
 
     def after_promote(self, op: Transfer) -> None:
         """Staging mode only: a promotion to HBM landed; drop the DRAM copies NVMe also holds."""
