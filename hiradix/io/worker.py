@@ -102,9 +102,6 @@ from hiradix.io.protocol import (
     job_pages,
     validate_job,
 )
-from hiradix.dataplane.kv_codec import PageCodec
-from hiradix.dataplane.layout import KVLayout
-from hiradix.io.cold_pages import ColdPages, EncodedDram
 from hiradix.tiers.dram import DramPool
 from hiradix.tiers.files import ensure_private_dir
 from hiradix.tiers.nvme import NVME_FILE_NAME, NvmeStore
@@ -138,19 +135,22 @@ class Worker:
         """
         ensure_private_dir(Path(spec.socket_dir))
         self.faults = FaultInjector(Faults.from_env().for_rank(spec.tp_rank), Path(spec.socket_dir) / CRASH_LOG_NAME)
-        layout = KVLayout.from_json(spec.layout)
-        if not layout.page_major:
+        if not spec.layout.get("page_major", True):
             raise ValueError("the I/O worker moves whole pages; it needs a page-major layout")
-        codec = PageCodec(layout, spec.cold_format) if spec.cold_tiers else None
+        codec = _cold_codec(spec)
+        if codec is not None:
+            from hiradix.io.cold_pages import ColdPages, EncodedDram  # noqa: PLC0415 - torch: compressed tiers only
         encoded_dram = EncodedDram(codec) if "dram" in spec.cold_tiers else None  # DRAM pages are encoded
-        dram_page_bytes = encoded_dram.encoded_bytes if encoded_dram else layout.page_bytes
-        if dram_page_bytes != spec.page_bytes:
-            raise ValueError(f"spec.page_bytes {spec.page_bytes} != the DRAM page's {dram_page_bytes} "
-                             f"(layout {layout.page_bytes}, cold tiers {spec.cold_tiers})")
+        if codec is not None:  # the only case where the worker reads the layout: the page must agree with it
+            dram_page_bytes = encoded_dram.encoded_bytes if encoded_dram else codec.layout.page_bytes
+            if dram_page_bytes != spec.page_bytes:
+                raise ValueError(f"spec.page_bytes {spec.page_bytes} != the DRAM page's {dram_page_bytes} "
+                                 f"(layout {codec.layout.page_bytes}, cold tiers {spec.cold_tiers})")
         if spec.threads < 1 or spec.store_threads < 1:
             raise ValueError(f"spec.threads and spec.store_threads must be >= 1, got {spec.threads}, {spec.store_threads}")
         self.spec = spec
-        self.pool = DramPool.attach(Path(spec.dram_path), layout, spec.num_dram_pages, page_bytes=dram_page_bytes)
+        # Pages are opaque bytes here (no layout, no torch): the worker copies them whole.
+        self.pool = DramPool.attach(Path(spec.dram_path), None, spec.num_dram_pages, page_bytes=spec.page_bytes)
         self.store, self.cluster = None, None
         self.nvme_cold, self.store_cold = encoded_dram, encoded_dram  # ColdPages of a compressed tier
         try:
@@ -361,12 +361,30 @@ def _derived_call_limit_s(cluster) -> float:
     return max(STORE_CALL_LIMIT_MIN_S, STORE_CALL_LIMIT_FACTOR * deadline_s)
 
 
+def _cold_codec(spec: WorkerSpec):
+    """The compressed tiers' page codec, or None when no tier is compressed (the default).
+
+    Only then does the worker import torch (~2 s of CPU and ~0.3 GB of memory per worker).
+    """
+    if not spec.cold_tiers:
+        return None
+    import torch  # noqa: PLC0415
+
+    from hiradix.dataplane.kv_codec import PageCodec  # noqa: PLC0415
+    from hiradix.dataplane.layout import KVLayout  # noqa: PLC0415
+
+    # The codec runs on the job threads; torch's own intra-op threads on top of them only
+    # contend for the same cores (measured: 2 threads ran 12-50 MB/s under load, 1 thread ~1 GB/s).
+    torch.set_num_threads(1)
+    return PageCodec(KVLayout.from_json(spec.layout), spec.cold_format)
+
+
 def _open_cluster_store(spec: WorkerSpec, pool: DramPool):
     """The spec's cluster-store backend, with the DRAM arena registered for zero-copy transfers."""
     from hiradix.tiers.store import StoreConfig, make_backend
 
     backend = make_backend(spec.store_backend, StoreConfig.parse(spec.store_config, "--hiradix-store-config"))
-    backend.register(pool.tensor.data_ptr(), pool.dram_bytes)
+    backend.register(pool.address, pool.dram_bytes)
     return backend
 
 
@@ -390,11 +408,6 @@ def main(argv: list[str] | None = None) -> int:
     # A crash inside a native library (Mooncake's store.so segfaults under load, see
     # hiradix.tiers.store.mooncake) prints every thread's Python stack into the server's log.
     faulthandler.enable(all_threads=True)
-    import torch
-
-    # The cold-tier codec runs on the job threads; torch's own intra-op threads on top of them
-    # only contend for the same cores (measured: 2 threads ran 12-50 MB/s under load, 1 thread ~1 GB/s).
-    torch.set_num_threads(1)
     replies: PushQueue[WorkerReply] = PushQueue(zmq.Context.instance(), args.acks)
     try:
         worker = Worker(WorkerSpec.from_json(args.spec), args.jobs, replies)

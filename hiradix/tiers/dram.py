@@ -19,12 +19,17 @@ import mmap
 import os
 import stat
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
-from hiradix.dataplane.layout import KVLayout
 from hiradix.tiers.files import ensure_private_dir
 from hiradix.tiers.pinned import cuda_host_register, cuda_host_unregister
+
+if TYPE_CHECKING:  # torch only where a tensor view is asked for (the I/O worker never asks)
+    import torch
+
+    from hiradix.dataplane.layout import KVLayout
 
 logger = logging.getLogger(__name__)
 
@@ -43,36 +48,48 @@ def num_pages_for_bytes(dram_bytes: int, layout: KVLayout, page_bytes: int | Non
     Raises:
         ValueError: the budget holds no page at all.
     """
-    size = page_bytes or layout.page_bytes
+    size = _page_bytes(layout, page_bytes)
     num_pages = int(dram_bytes) // size
     if num_pages < 1:
         raise ValueError(f"DRAM budget {dram_bytes} bytes holds no page of {size} bytes")
     return num_pages
 
 
+def _page_bytes(layout: KVLayout | None, page_bytes: int | None) -> int:
+    """Bytes per page: ``page_bytes`` if given, else the layout's (one of the two is needed)."""
+    if page_bytes:
+        return page_bytes
+    if layout is None:
+        raise ValueError("a DRAM pool of opaque pages (layout None) needs page_bytes")
+    return layout.page_bytes
+
+
 class DramPool:
     """``num_pages`` KV pages in a shared mapping, viewed as one tensor.
 
-    Build with :meth:`create` (owner process) or :meth:`attach` (other processes).
+    Build with :meth:`create` (owner process) or :meth:`attach` (other processes). The I/O
+    worker attaches with ``layout=None``: it moves whole pages as bytes and never imports torch.
 
     Attributes:
         path: the backing file.
-        layout: page layout (of the KV the pages hold).
+        layout: page layout (of the KV the pages hold); None: opaque pages of ``page_bytes``.
         num_pages: capacity in pages.
         page_bytes: bytes per page: ``layout.page_bytes``, or the encoded size when the pool holds
             encoded pages (DRAM as a cold tier, :mod:`hiradix.dataplane.kv_codec`).
         encoded: whether the pool holds encoded pages (``page_bytes != layout.page_bytes``).
         tensor: ``layout.dram_shape(num_pages)`` of ``layout.dtype``, a view of the mapping
             (writes are seen by every process that maps the file); uint8 ``(num_pages,
-            page_bytes)`` for encoded pages.
+            page_bytes)`` for encoded or opaque pages. Made (and torch imported) on first use;
+            None once closed.
+        address: the mapping's first byte (for a transfer engine's memory registration).
         cuda_pinned: whether :meth:`pin_for_cuda` registered the mapping with CUDA.
         pin_failure: why :meth:`pin_for_cuda` failed, or None.
     """
 
-    def __init__(self, path: Path, layout: KVLayout, num_pages: int, mapping: mmap.mmap, created_dir: bool,
+    def __init__(self, path: Path, layout: KVLayout | None, num_pages: int, mapping: mmap.mmap, created_dir: bool,
                  page_bytes: int | None = None):
         """Use :meth:`create` or :meth:`attach`; this wraps an existing mapping."""
-        self.page_bytes = page_bytes or layout.page_bytes
+        self.page_bytes = _page_bytes(layout, page_bytes)
         assert len(mapping) == num_pages * self.page_bytes, "mapping size != num_pages * page_bytes"
         self.path = Path(path)
         self.layout = layout
@@ -81,17 +98,31 @@ class DramPool:
         self._view = memoryview(mapping)
         self._created_dir = created_dir
         self._memfd = -1  # the anonymous pool's file descriptor (create_anonymous), kept open
-        if self.encoded:
-            self.tensor = torch.frombuffer(mapping, dtype=torch.uint8).view(num_pages, self.page_bytes)
-        else:
-            self.tensor = torch.frombuffer(mapping, dtype=layout.dtype).view(layout.dram_shape(num_pages))
+        self._tensor: torch.Tensor | None = None  # made by `tensor` on first use
         self._pinned_ptr = 0  # start of the range registered with CUDA; 0 when pageable
         self.pin_failure: str | None = None  # why pin_for_cuda failed (it is not tried again)
 
     @property
     def encoded(self) -> bool:
         """Whether the pages are encoded (another size than the layout's page)."""
-        return self.page_bytes != self.layout.page_bytes
+        return self.layout is not None and self.page_bytes != self.layout.page_bytes
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        """The mapping as one tensor (see the class doc); None once closed."""
+        if self._tensor is None and self._mmap is not None:
+            import torch  # noqa: PLC0415 - only the scheduler's processes view the pool as a tensor
+
+            if self.layout is None or self.encoded:
+                self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8).view(self.num_pages, self.page_bytes)
+            else:
+                self._tensor = torch.frombuffer(self._mmap, dtype=self.layout.dtype).view(self.layout.dram_shape(self.num_pages))
+        return self._tensor
+
+    @property
+    def address(self) -> int:
+        """Address of the mapping's first byte (the pool stays mapped while this object is open)."""
+        return int(np.frombuffer(self._view, dtype=np.uint8).ctypes.data)
 
     @property
     def dram_bytes(self) -> int:
@@ -150,7 +181,7 @@ class DramPool:
         """
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
-        page_bytes = page_bytes or layout.page_bytes
+        page_bytes = _page_bytes(layout, page_bytes)
         size_bytes = num_pages * page_bytes
         fd = os.memfd_create("hiradix-dram", os.MFD_CLOEXEC)
         try:
@@ -192,7 +223,7 @@ class DramPool:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         directory, created_dir = ensure_private_dir(Path(directory))
         path = directory / DRAM_FILE_NAME
-        page_bytes = page_bytes or layout.page_bytes
+        page_bytes = _page_bytes(layout, page_bytes)
         size_bytes = num_pages * page_bytes
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(path, flags, 0o600)
@@ -210,15 +241,18 @@ class DramPool:
         return cls(path, layout, num_pages, mapping, created_dir, page_bytes=page_bytes)
 
     @classmethod
-    def attach(cls, path: Path, layout: KVLayout, num_pages: int, page_bytes: int | None = None) -> DramPool:
+    def attach(cls, path: Path, layout: KVLayout | None, num_pages: int, page_bytes: int | None = None) -> DramPool:
         """Map an existing pool file (in the I/O worker process); ``page_bytes`` as in :meth:`create`.
+
+        With ``layout=None`` the pool holds opaque pages of ``page_bytes`` (required then), the
+        pages of a page-major layout: :meth:`page_view` works, :meth:`layer_page_view` does not.
 
         Raises:
             FileNotFoundError: no such file.
             PermissionError: the file is group/world accessible or owned by another user.
             ValueError: its size is not ``num_pages * page_bytes``.
         """
-        page_bytes = page_bytes or layout.page_bytes
+        page_bytes = _page_bytes(layout, page_bytes)
         path = Path(path)
         # /proc/<pid>/fd/<n> (an anonymous pool) is a magic link: it must be followed.
         follow = 0 if path.parts[:2] == ("/", "proc") else os.O_NOFOLLOW
@@ -246,7 +280,7 @@ class DramPool:
             ValueError: ``page_id`` out of range, or a layer-major pool (a page is then
                 ``num_layers`` extents; use :meth:`layer_page_view`).
         """
-        if not self.layout.page_major:
+        if self.layout is not None and not self.layout.page_major:
             raise ValueError("page_view needs a page-major pool; use layer_page_view per layer")
         self._check_page(page_id)
         start = page_id * self.page_bytes
@@ -260,8 +294,8 @@ class DramPool:
         Raises:
             ValueError: ``layer`` or ``page_id`` out of range, or an encoded pool (no layer extents).
         """
-        if self.encoded:
-            raise ValueError("an encoded DRAM pool has no per-layer extents; use page_view")
+        if self.layout is None or self.encoded:
+            raise ValueError("an encoded or opaque DRAM pool has no per-layer extents; use page_view")
         self._check_page(page_id)
         if not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.layout.num_layers})")
@@ -286,7 +320,7 @@ class DramPool:
         if self._mmap is None:
             return
         mapping, self._mmap = self._mmap, None
-        self.tensor = None  # type: ignore[assignment]
+        self._tensor = None
         try:
             self._view.release()
             mapping.close()

@@ -4,6 +4,7 @@ decodes on the way up (hiradix.io.cold_pages); a page of another format is a mis
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,6 +50,7 @@ def test_nvme_round_trip_through_the_worker_in_a_compressed_format(base_dir, poo
         assert wait_for(client, {1})[1].ok == [True] * 8
         client.submit_load(2, list(range(8)), list(range(8, 16)))
         assert wait_for(client, {2})[2].ok == [True] * 8
+        assert "libtorch" in Path(f"/proc/{client.pid}/maps").read_text()  # the codec's (only) import of torch
     finally:
         client.close()
     after = pages_of(pool, range(8, 16))

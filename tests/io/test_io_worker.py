@@ -221,6 +221,19 @@ def test_store_then_load_is_byte_identical(make_client, pool):
     assert client.in_flight() == set()
 
 
+def test_a_worker_without_a_compressed_tier_moves_pages_without_torch(make_client, pool):
+    # Pages are opaque bytes to the worker: it imports torch (~2 s of CPU, ~0.3 GB per TP rank)
+    # only for a compressed tier's codec.
+    client = make_client()
+    fill(pool, range(2), seed=7)
+    client.submit(StorePages(job_id=1, dram_pages=[0, 1], nvme_slots=[3, 4]))
+    assert wait_for(client, {1})[1].ok == [True, True]
+    client.submit(LoadPages(job_id=2, nvme_slots=[3, 4], dram_pages=[10, 11]))
+    assert wait_for(client, {2})[2].ok == [True, True]
+    assert [page_bytes(pool, p) for p in (10, 11)] == [page_bytes(pool, p) for p in (0, 1)]
+    assert "libtorch" not in Path(f"/proc/{client.pid}/maps").read_text()  # tests/io/test_cold_pages: with one
+
+
 def test_invalid_job_comes_back_as_rejected_failure(make_client):
     client = make_client()
     client.submit(StorePages(job_id=3, dram_pages=[0, NUM_DRAM_PAGES], nvme_slots=[0, 1]))
