@@ -35,8 +35,7 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def venv_python() -> str:
     """The interpreter that has SGLang and hiradix installed (.venv, else this one)."""
-    candidate = REPO_ROOT / ".venv" / "bin" / "python"
-    return str(candidate) if candidate.exists() else sys.executable
+    return _venv_python()
 
 
 @pytest.fixture(scope="session")
@@ -58,17 +57,64 @@ def cpu_env() -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="session")
-def tiny_model(venv_python: str) -> Path:
+def _build_tiny_model(python: str) -> Path:
     """models/tiny, built by scripts/make_model.py if missing (idempotent, a few seconds)."""
     import subprocess
 
     path = REPO_ROOT / "models" / "tiny"
-    subprocess.run(
-        [venv_python, str(REPO_ROOT / "scripts" / "make_model.py"), "--preset", "tiny", "--out", str(path)],
-        check=True,
-    )
+    subprocess.run([python, str(REPO_ROOT / "scripts" / "make_model.py"), "--preset", "tiny", "--out", str(path)],
+                   check=True)  # fmt: skip
     return path
+
+
+def _venv_python() -> str:
+    candidate = REPO_ROOT / ".venv" / "bin" / "python"
+    return str(candidate) if candidate.exists() else sys.executable
+
+
+@pytest.fixture(scope="session")
+def tiny_model(venv_python: str) -> Path:
+    """models/tiny, built by scripts/make_model.py if missing (idempotent, a few seconds)."""
+    return _build_tiny_model(venv_python)
+
+
+# The session's shared servers (`session_servers`), started when collection ends if a selected
+# test uses them, so their cold start (~45 s on 2 cores) overlaps the tests that start no
+# server, which run first (pytest_collection_modifyitems). Stopped by the fixture, or at the
+# session's end if no test reached it.
+_SESSION_SERVERS: dict = {}
+
+
+def _new_session_servers(tiny_model: Path, tmp: Path) -> dict:
+    """``stock`` and ``hiradix`` as `session_servers` describes them (not started)."""
+    from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
+
+    nvme = tmp / "nvme"
+    nvme.mkdir()
+    env = {**cpu_env(), "HIRADIX_MP_START_METHOD": "spawn", "HIRADIX_TEST_ZYGOTE": "0"}  # cold launchers
+    return {
+        "stock": ServerProcess(tiny_model, extra_args=cpu_args(32768) + ["--max-running-requests", "2"],
+                               env=env, log_path=tmp / "stock.log"),
+        "hiradix": ServerProcess(tiny_model, extra_args=cpu_args(8192) + [
+            "--enable-hiradix", "--hiradix-dram-gb", "0.5", "--hiradix-nvme-path", str(nvme),
+            "--hiradix-nvme-gb", "0.25"], env=env, log_path=tmp / "hiradix.log"),
+    }  # fmt: skip
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Tests that start no server (unmarked) run first, then the e2e ones; each keeps its order."""
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)
+
+
+def pytest_collection_finish(session):
+    """Start the session's shared servers now (not waiting) when a selected test uses them."""
+    if session.config.option.collectonly or not any("session_servers" in getattr(item, "fixturenames", ())
+                                                    for item in session.items):
+        return
+    tmp = session.config._tmp_path_factory.mktemp("session_servers")  # tmp_path_factory's own
+    _SESSION_SERVERS.update(_new_session_servers(_build_tiny_model(_venv_python()), tmp))
+    for server in _SESSION_SERVERS.values():
+        server.start(wait=False)
 
 
 @pytest.fixture(scope="session")
@@ -78,30 +124,22 @@ def session_servers(tiny_model: Path, tmp_path_factory):
     never evicts here; 2 running, so requests queue) and ``hiradix`` (hiradix defaults, HBM
     8,192 tokens, DRAM 0.5 GB, an NVMe tier of 0.25 GB), both started as users start them: a
     cold launcher with SGLang's own ``spawn`` start method (the other test servers fork: see
-    ``HIRADIX_MP_START_METHOD`` and ``HIRADIX_TEST_ZYGOTE`` above). Tests that need
+    ``HIRADIX_MP_START_METHOD`` and ``HIRADIX_TEST_ZYGOTE`` above). They start when collection
+    ends (`pytest_collection_finish`); this waits until both are healthy. Tests that need
     other flags start their own; tests that use these must not change what another test reads
     (no flush, no fault switches)."""
-    from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, stop_all
+    from hiradix.testing.server import stop_all
 
-    tmp = tmp_path_factory.mktemp("session_servers")
-    nvme = tmp / "nvme"
-    nvme.mkdir()
-    env = {**cpu_env(), "HIRADIX_MP_START_METHOD": "spawn", "HIRADIX_TEST_ZYGOTE": "0"}  # cold launchers
-    servers = {
-        "stock": ServerProcess(tiny_model, extra_args=cpu_args(32768) + ["--max-running-requests", "2"],
-                               env=env, log_path=tmp / "stock.log"),
-        "hiradix": ServerProcess(tiny_model, extra_args=cpu_args(8192) + [
-            "--enable-hiradix", "--hiradix-dram-gb", "0.5", "--hiradix-nvme-path", str(nvme),
-            "--hiradix-nvme-gb", "0.25"], env=env, log_path=tmp / "hiradix.log"),
-    }  # fmt: skip
-    try:
-        for server in servers.values():
+    if not _SESSION_SERVERS:  # not started at collection's end (a plugin added the test later)
+        _SESSION_SERVERS.update(_new_session_servers(tiny_model, tmp_path_factory.mktemp("session_servers")))
+        for server in _SESSION_SERVERS.values():
             server.start(wait=False)
-        for server in servers.values():
+    try:
+        for server in _SESSION_SERVERS.values():
             server.wait_healthy()
-        yield servers
+        yield _SESSION_SERVERS
     finally:
-        stop_all(servers.values())
+        stop_all(_SESSION_SERVERS.values())
 
 
 @pytest.fixture(scope="session")
@@ -173,7 +211,10 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """End the launcher zygotes (after every fixture stopped its servers)."""
+    """Stop the shared servers if no test reached their fixture (an early stop, ``-x``), then end
+    the launcher zygotes (after every fixture stopped its servers)."""
     from hiradix.testing import zygote
+    from hiradix.testing.server import stop_all
 
+    stop_all(_SESSION_SERVERS.values())
     zygote.close_all()

@@ -74,8 +74,16 @@ def _children_baseline():
 
 
 def new_children() -> list[psutil.Process]:
-    """Child processes started since the test began."""
-    return [p for p in psutil.Process().children(recursive=True) if p.pid not in _BASELINE_CHILDREN]
+    """Child processes started since the test began, not by a process it already had (the
+    session's servers, started at collection's end, may still be spawning theirs)."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.pid not in _BASELINE_CHILDREN and not {a.pid for a in p.parents()} & _BASELINE_CHILDREN:
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 @pytest.mark.parametrize("msg", REQUESTS, ids=lambda m: type(m).__name__)
