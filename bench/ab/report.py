@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from bench.common import server_metrics
+from bench.common import server_cpu, server_metrics
 from bench.ab.systems import HICACHE, IDEAL, System
 from bench.common.multiturn import RequestRecord, write_records
 from bench.common.stats import excludes_one, half_width, paired_ratio_ci, paired_ratio_items
@@ -54,6 +54,7 @@ class SystemRun:
     workload_s: float  # time its requests took, summed
     log_path: str
     metrics: list = field(default_factory=list)  # one `server_metrics.MetricsSnapshot` delta per repetition
+    cpu: list = field(default_factory=list)  # one `server_cpu.cpu_delta` (role -> CPU s) per repetition
 
 
 def _key(r: RequestRecord) -> tuple[int, int, int]:
@@ -165,7 +166,23 @@ def system_figures(run: SystemRun) -> dict:
         "ttft_buckets": {str(k): v for k, v in sorted(m.ttft_buckets.items())},
         "startup_s": run.startup_s, "workload_s": run.workload_s,
         "host_reserved_bytes": host_reserved_bytes(run.system, m),
+        "cpu_ms_per_request": cpu_ms_per_request(run),
     }  # fmt: skip
+
+
+def cpu_ms_per_request(run: SystemRun) -> Optional[dict]:
+    """CPU milliseconds the server's processes spent per request of the workload, by role
+    (`bench.common.server_cpu`), over all repetitions; None when not sampled."""
+    if not run.cpu or not run.records:
+        return None
+    return {role: 1e3 * sum(c.get(role, 0.0) for c in run.cpu) / len(run.records) for role in server_cpu.ROLES}
+
+
+def cpu_line(name: str, per_request: Optional[dict]) -> Optional[str]:
+    if per_request is None:
+        return None
+    parts = ", ".join(f"{role} {per_request[role]:.1f}" for role in server_cpu.ROLES if per_request[role] or role == "scheduler")
+    return f"{name}: CPU ms per request: {parts}"
 
 
 def per_turn_summary(runs: Sequence[SystemRun]) -> list[dict]:
@@ -240,6 +257,9 @@ def format_table(runs: Sequence[SystemRun]) -> str:
         host = host_bytes_line(run.system.name, f["host_reserved_bytes"])
         if host is not None:
             lines.append(host)
+        cpu = cpu_line(run.system.name, f["cpu_ms_per_request"])
+        if cpu is not None:
+            lines.append(cpu)
     for run in runs[1:]:
         same, compared = identical_fraction(runs[0].records, run.records)
         lines.append(f"token-identical outputs {run.system.name} vs {names[0]}: {same}/{compared}"

@@ -66,7 +66,7 @@ if __package__ in (None, ""):  # run as a file: python bench/ab/run.py
 
 import psutil
 
-from bench.common import server_metrics
+from bench.common import server_cpu, server_metrics
 from bench.ab.report import SystemRun, format_table, identical_fraction, per_turn_summary, verdict_lines  # noqa: F401
 from bench.ab.report import write_outputs
 from bench.ab.systems import (  # noqa: F401 (re-exported: bench.cluster.run and tests use them from here)
@@ -182,14 +182,26 @@ def flush_caches(servers: dict[str, ServerProcess], timeout_s: float = 120.0, po
         logger.info("[%s] cache flushed", name)
 
 
+def server_cpu_seconds(server: ServerProcess) -> dict[str, float]:
+    """CPU seconds so far of the server's processes, by role (`bench.common.server_cpu`)."""
+    if server.pid is None:
+        return {}
+    try:
+        root = psutil.Process(server.pid)
+    except psutil.NoSuchProcess:
+        return {}
+    return server_cpu.cpu_seconds_by_role([root, *server.descendants()], server.pid)
+
+
 def run_repeat(servers: dict[str, ServerProcess], systems: Sequence[System], repeat: int,
                sessions: Sequence[Session], config: PairedConfig) -> tuple[list[PairedRecord], dict]:
     """One repetition on servers with empty caches; returns its records and, per system,
     `{startup_s, workload_s, metrics}` (`metrics`: the `/metrics` delta over the workload)."""
-    before = {}
+    before, cpu_before = {}, {}
     for name, server in servers.items():
         warm_up(server.base_url, config.workload, config.concurrency)
         before[name] = server_metrics.parse_snapshot(server_metrics.fetch_metrics(server.base_url))
+        cpu_before[name] = server_cpu_seconds(server)
     order = [s.name for s in systems]
     order = order[repeat % len(order):] + order[: repeat % len(order)]  # round 0's order moves too
     t0 = time.perf_counter()
@@ -206,7 +218,8 @@ def run_repeat(servers: dict[str, ServerProcess], systems: Sequence[System], rep
     for name, server in servers.items():
         after = server_metrics.parse_snapshot(server_metrics.fetch_metrics(server.base_url))
         info[name] = {"startup_s": server.startup_s or float("nan"), "workload_s": workload_s,
-                      "metrics": server_metrics.delta(after, before[name])}
+                      "metrics": server_metrics.delta(after, before[name]),
+                      "cpu": server_cpu.cpu_delta(server_cpu_seconds(server), cpu_before[name])}
     return records, info
 
 
@@ -329,7 +342,7 @@ def collect(systems: Sequence[System], repeats: list[tuple[list[PairedRecord], d
         info = [inf[system.name] for _, inf in repeats]
         runs.append(SystemRun(system, records, statistics.median(i["startup_s"] for i in info),
                               sum(i["workload_s"] for i in info), str(run_dir / f"{system.name}.server.log"),
-                              [i["metrics"] for i in info]))
+                              [i["metrics"] for i in info], [i["cpu"] for i in info]))
     return runs
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -17,7 +18,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from bench.ab import report as ab_report
 from bench.ab import run as ab
-from bench.common import server_metrics, stats  # noqa: E402
+from bench.common import server_cpu, server_metrics, stats  # noqa: E402
 from bench.common.conversations import Session, synthetic_sessions  # noqa: E402
 from bench.common.multiturn import WorkloadConfig  # noqa: E402
 from bench.ab.paired import PairedConfig, PairedRecord, next_batch, rotation, run_paired, think_time_s  # noqa: E402
@@ -329,3 +330,36 @@ def test_hiradix_fp8_system_gets_the_cold_format_and_the_same_nvme_bytes(tmp_pat
     plain, fp8 = (list(s.server_args) for s in sized)
     assert fp8[fp8.index("--hiradix-cold-format") + 1] == "fp8" and "--hiradix-cold-format" not in plain
     assert fp8[fp8.index("--hiradix-nvme-gb") + 1] == plain[plain.index("--hiradix-nvme-gb") + 1]
+
+
+BURN = """import sys, time, setproctitle
+setproctitle.setproctitle(sys.argv[1])
+start = time.process_time()
+while time.process_time() - start < 0.3:
+    pass
+print("burnt", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_server_cpu_seconds_are_counted_per_role():
+    """Processes titled as SGLang titles its scheduler and detokenizer, and hiradix's worker
+    command line, each burn 0.3 s of CPU: each lands in its role; the root is the launcher."""
+    import psutil
+
+    titles = {"scheduler": "sglang::scheduler_TP0", "detokenizer": "sglang::detokenizer",
+              "io_worker": "python -m hiradix.io.worker --spec {}"}
+    procs = [subprocess.Popen([sys.executable, "-c", BURN, t], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for t in titles.values()]  # fmt: skip
+    try:
+        assert [p.stdout.readline() for p in procs] == ["burnt\n"] * 3
+        me = psutil.Process()
+        cpu = server_cpu.cpu_seconds_by_role([me, *(psutil.Process(p.pid) for p in procs)], me.pid)
+    finally:
+        for p in procs:
+            p.stdin.close()
+            p.wait(timeout=30)
+    for role in titles:
+        assert 0.3 <= cpu[role] < 5.0, (role, cpu)
+    assert cpu["launcher"] > 0 and cpu["other"] == 0.0
+    assert server_cpu.cpu_delta(cpu, dict.fromkeys(server_cpu.ROLES, 0.1))["scheduler"] == pytest.approx(cpu["scheduler"] - 0.1)

@@ -455,9 +455,15 @@ def test_e2e_ab_quick_default_systems(tiny_model, tmp_path, capsys):
     assert summary["systems"]["ideal"]["max_total_tokens"] == config["ideal_pool_tokens"] >= 1024
     assert summary["systems"]["stock"]["max_total_tokens"] is None  # stock: the run's 1024-token pool
     assert summary["systems"]["stock"]["prefill_tokens_metrics"] == summary["systems"]["stock"]["prefill_tokens"]
+    # CPU per request by role, read from the OS for every system: a scheduler ran each request (no
+    # I/O worker here: the quick run's hiradix has DRAM only, and the worker moves DRAM <-> NVMe/store).
+    for name in names:
+        cpu = summary["systems"][name]["cpu_ms_per_request"]
+        assert cpu["scheduler"] > 0 and cpu["launcher"] > 0 and cpu["io_worker"] == 0, (name, cpu)
     assert (tmp_path / "ab_verdict.png").stat().st_size > 1000
     out = capsys.readouterr().out
     verdicts = out[out.index("verdict ("):]
+    assert "hiradix: CPU ms per request: scheduler " in out
     assert "hiradix vs stock, turns >= 2: TTFT " in verdicts and "hiradix vs ideal, turns >= 2" in verdicts
     assert "hiradix vs HiCache, turns >= 2: TTFT " in verdicts
     assert "A/A ideal2 vs ideal, turns >= 2: TTFT " in verdicts

@@ -316,13 +316,14 @@ def test_apply_is_idempotent():
     import p08_dp_attention_cpu as p08
     import p09_cpu_fork_start_method as p09
     import p10_dp_controller_idle_wait as p10
+    import p11_hicache_file_prefetch_cpu as p11
 
     first = subprocess.run([PYTHON, str(PATCHES / "apply.py")], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
     sp = Path(subprocess.check_output(
         [PYTHON, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
     files = [sp / "sglang/srt/mem_cache/pool_host/common.py", sp / "sglang/srt/mem_cache/pool_host/mha.py",
-             sp / "torchvision/extension.py", sp / "sglang/srt/layers/attention/torch_native_backend.py",
+             sp / "sglang/srt/mem_cache/pool_host/mla.py", sp / "torchvision/extension.py", sp / "sglang/srt/layers/attention/torch_native_backend.py",
              sp / "sglang/srt/models/deepseek_common/attention_backend_handler.py",
              sp / "sglang/srt/disaggregation/prefill.py", sp / "sglang/srt/layers/rotary_embedding/base.py",
              sp / "sglang/srt/entrypoints/engine.py", sp / "sglang/srt/managers/data_parallel_controller.py",
@@ -332,8 +333,8 @@ def test_apply_is_idempotent():
     second = subprocess.run([PYTHON, str(PATCHES / "apply.py")], capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     lines = second.stdout.strip().splitlines()
-    assert len(lines) == 10, second.stdout
-    for module, line in zip((p01, p02, p03, p04, p05, p06, p07, p08, p09, p10), lines):
+    assert len(lines) == 11, second.stdout
+    for module, line in zip((p01, p02, p03, p04, p05, p06, p07, p08, p09, p10, p11), lines):
         assert line.startswith(f"[patches] {module.NAME}: "), line
         assert ": already applied (" in line or ": skipped (" in line, line
     assert {f: _sha(f) for f in files} == before
@@ -348,6 +349,22 @@ def test_fork_start_method_is_opt_in():
     import p09_cpu_fork_start_method as p09
 
     assert '"spawn"' in p09.REPLACEMENT and p09.MARKER in p09.REPLACEMENT  # unset: stock's spawn
+
+
+def test_hicache_dummy_pages_are_pinned_only_with_an_accelerator():
+    """p11: the host pools' dummy pages (HiCache's L3 prefetch target) on this CPU-only torch are
+    plain memory, so `file` prefetches land; stock asked for pinned memory and raised."""
+    code = ("import torch\n"
+            "from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost\n"
+            "from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost\n"
+            "class Pool:\n"
+            "    layer_num, page_size, head_num, head_dim, kv_cache_dim = 2, 4, 3, 8, 16\n"
+            "    dtype, device, pin_memory = torch.float32, 'cpu', True\n"
+            "for cls in (MHATokenToKVPoolHost, MLATokenToKVPoolHost):\n"
+            "    page = cls.get_dummy_flat_data_page(Pool())\n"
+            "    print(cls.__name__, page.numel(), page.is_pinned(), int(page.abs().sum()))\n")
+    out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split("\n")[:2] == ["MHATokenToKVPoolHost 384 False 0", "MLATokenToKVPoolHost 128 False 0"], out
 
 
 def test_dp_controller_waits_for_requests_instead_of_spinning():
