@@ -218,8 +218,9 @@ class TieredRadixCache(BasePrefixCache):
         )
 
     def should_wait(self, req: Req) -> bool:
-        """Whether admission should skip ``req`` for now (its NVMe reads are in flight)."""
-        return self.core.should_wait(*request_key(req, self.page_size))
+        """Whether admission should skip ``req`` for now (its NVMe reads are in flight); reuses the
+        request's key and last peek (the look-ahead's, ``_queued_key``)."""
+        return self.core.should_wait(self._queued_key(req))
 
     def init_load_back(self, params: InitLoadBackParams) -> Optional[tuple[int, Any]]:
         """Promote the DRAM part of a match into new HBM slots (layer by layer, all or none).
