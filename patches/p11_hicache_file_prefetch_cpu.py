@@ -30,17 +30,6 @@ MHA_ANCHOR = """    def get_dummy_flat_data_page(self) -> torch.Tensor:
             pin_memory=self.pin_memory,
         ).flatten()
 """
-MHA_REPLACEMENT = f"""    def get_dummy_flat_data_page(self) -> torch.Tensor:
-        # {MARKER} (hiradix patches/p11_hicache_file_prefetch_cpu.py):
-        # pinned memory needs an accelerator; a CPU-only torch has no pinned allocator.
-        return torch.zeros(
-            (2, self.layer_num, self.page_size, self.head_num, self.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-            pin_memory=self.pin_memory and torch.accelerator.is_available(),
-        ).flatten()
-"""
-
 MLA_ANCHOR = """    def get_dummy_flat_data_page(self) -> torch.Tensor:
         return torch.zeros(
             (
@@ -54,21 +43,20 @@ MLA_ANCHOR = """    def get_dummy_flat_data_page(self) -> torch.Tensor:
             pin_memory=self.pin_memory,
         ).flatten()
 """
-MLA_REPLACEMENT = f"""    def get_dummy_flat_data_page(self) -> torch.Tensor:
-        # {MARKER} (hiradix patches/p11_hicache_file_prefetch_cpu.py):
-        # pinned memory needs an accelerator; a CPU-only torch has no pinned allocator.
-        return torch.zeros(
-            (
-                self.layer_num,
-                self.page_size,
-                1,
-                self.kv_cache_dim,
-            ),
-            dtype=self.dtype,
-            device=self.device,
-            pin_memory=self.pin_memory and torch.accelerator.is_available(),
-        ).flatten()
-"""
+PINNED = "            pin_memory=self.pin_memory,\n"
+PINNED_WITH_ACCELERATOR = "            pin_memory=self.pin_memory and torch.accelerator.is_available(),\n"
+HEAD = "    def get_dummy_flat_data_page(self) -> torch.Tensor:\n"
+COMMENT = (f"        # {MARKER} (hiradix patches/p11_hicache_file_prefetch_cpu.py):\n"
+           "        # pinned memory needs an accelerator; a CPU-only torch has no pinned allocator.\n")
+
+
+def _replacement(anchor: str) -> str:
+    """The anchor (a whole ``get_dummy_flat_data_page``) with the marker and the accelerator test."""
+    return anchor.replace(HEAD, HEAD + COMMENT).replace(PINNED, PINNED_WITH_ACCELERATOR)
+
+
+MHA_REPLACEMENT = _replacement(MHA_ANCHOR)
+MLA_REPLACEMENT = _replacement(MLA_ANCHOR)
 
 
 def apply() -> tuple[str, str]:

@@ -85,20 +85,23 @@ def tiny_model(venv_python: str) -> Path:
 _SESSION_SERVERS: dict = {}
 
 
-def _new_session_servers(tiny_model: Path, tmp: Path) -> dict:
-    """``stock`` and ``hiradix`` as `session_servers` describes them (not started)."""
+def _start_session_servers(tiny_model: Path, tmp_path_factory) -> None:
+    """Start ``stock`` and ``hiradix`` as `session_servers` describes them (not waiting)."""
     from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
 
+    tmp = tmp_path_factory.mktemp("session_servers")
     nvme = tmp / "nvme"
     nvme.mkdir()
     env = {**cpu_env(), "HIRADIX_MP_START_METHOD": "spawn", "HIRADIX_TEST_ZYGOTE": "0"}  # cold launchers
-    return {
+    _SESSION_SERVERS.update({
         "stock": ServerProcess(tiny_model, extra_args=cpu_args(32768) + ["--max-running-requests", "2"],
                                env=env, log_path=tmp / "stock.log"),
         "hiradix": ServerProcess(tiny_model, extra_args=cpu_args(8192) + [
             "--enable-hiradix", "--hiradix-dram-gb", "0.5", "--hiradix-nvme-path", str(nvme),
             "--hiradix-nvme-gb", "0.25"], env=env, log_path=tmp / "hiradix.log"),
-    }  # fmt: skip
+    })  # fmt: skip
+    for server in _SESSION_SERVERS.values():
+        server.start(wait=False)
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -111,10 +114,7 @@ def pytest_collection_finish(session):
     if session.config.option.collectonly or not any("session_servers" in getattr(item, "fixturenames", ())
                                                     for item in session.items):
         return
-    tmp = session.config._tmp_path_factory.mktemp("session_servers")  # tmp_path_factory's own
-    _SESSION_SERVERS.update(_new_session_servers(_build_tiny_model(_venv_python()), tmp))
-    for server in _SESSION_SERVERS.values():
-        server.start(wait=False)
+    _start_session_servers(_build_tiny_model(_venv_python()), session.config._tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -131,9 +131,7 @@ def session_servers(tiny_model: Path, tmp_path_factory):
     from hiradix.testing.server import stop_all
 
     if not _SESSION_SERVERS:  # not started at collection's end (a plugin added the test later)
-        _SESSION_SERVERS.update(_new_session_servers(tiny_model, tmp_path_factory.mktemp("session_servers")))
-        for server in _SESSION_SERVERS.values():
-            server.start(wait=False)
+        _start_session_servers(tiny_model, tmp_path_factory)
     try:
         for server in _SESSION_SERVERS.values():
             server.wait_healthy()

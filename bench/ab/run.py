@@ -184,13 +184,13 @@ def flush_caches(servers: dict[str, ServerProcess], timeout_s: float = 120.0, po
 
 def server_cpu_seconds(server: ServerProcess) -> dict[str, float]:
     """CPU seconds so far of the server's processes, by role (`bench.common.server_cpu`)."""
-    if server.pid is None:
-        return {}
-    try:
-        root = psutil.Process(server.pid)
-    except psutil.NoSuchProcess:
-        return {}
-    return server_cpu.cpu_seconds_by_role([root, *server.descendants()], server.pid)
+    processes = []
+    for pid in server.pids():
+        try:
+            processes.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue  # ended meanwhile: its seconds are gone with it
+    return server_cpu.cpu_seconds_by_role(processes, server.pid)
 
 
 def run_repeat(servers: dict[str, ServerProcess], systems: Sequence[System], repeat: int,

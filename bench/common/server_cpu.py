@@ -22,14 +22,13 @@ def role_of(process: psutil.Process, root_pid: int) -> str:
     """The role of one of a server's processes (see the module doc)."""
     if process.pid == root_pid:
         return "launcher"
-    name = process.name()
     try:
         title = " ".join(process.cmdline())
     except (psutil.AccessDenied, psutil.ZombieProcess):
-        title = name
-    if "sglang::scheduler" in title or name.startswith("sglang::schedul"):
+        title = process.name()  # the title's first 15 characters
+    if "sglang::schedul" in title:
         return "scheduler"
-    if "sglang::detokenizer" in title or name.startswith("sglang::detoken"):
+    if "sglang::detoken" in title:
         return "detokenizer"
     if "hiradix.io.worker" in title:
         return "io_worker"

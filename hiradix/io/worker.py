@@ -137,11 +137,11 @@ class Worker:
         self.faults = FaultInjector(Faults.from_env().for_rank(spec.tp_rank), Path(spec.socket_dir) / CRASH_LOG_NAME)
         if not spec.layout.get("page_major", True):
             raise ValueError("the I/O worker moves whole pages; it needs a page-major layout")
-        codec = _cold_codec(spec)
-        if codec is not None:
-            from hiradix.io.cold_pages import ColdPages, EncodedDram  # noqa: PLC0415 - torch: compressed tiers only
-        encoded_dram = EncodedDram(codec) if "dram" in spec.cold_tiers else None  # DRAM pages are encoded
+        codec, encoded_dram = _cold_codec(spec), None
         if codec is not None:  # the only case where the worker reads the layout: the page must agree with it
+            from hiradix.io.cold_pages import ColdPages, EncodedDram  # noqa: PLC0415 - torch: compressed tiers only
+
+            encoded_dram = EncodedDram(codec) if "dram" in spec.cold_tiers else None  # DRAM pages are encoded
             dram_page_bytes = encoded_dram.encoded_bytes if encoded_dram else codec.layout.page_bytes
             if dram_page_bytes != spec.page_bytes:
                 raise ValueError(f"spec.page_bytes {spec.page_bytes} != the DRAM page's {dram_page_bytes} "

@@ -21,10 +21,9 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from hiradix.tiers.files import ensure_private_dir
 from hiradix.tiers.pinned import cuda_host_register, cuda_host_unregister
+from hiradix.tiers.store.base import buffer_address
 
 if TYPE_CHECKING:  # torch only where a tensor view is asked for (the I/O worker never asks)
     import torch
@@ -122,7 +121,7 @@ class DramPool:
     @property
     def address(self) -> int:
         """Address of the mapping's first byte (the pool stays mapped while this object is open)."""
-        return int(np.frombuffer(self._view, dtype=np.uint8).ctypes.data)
+        return buffer_address(self._view)
 
     @property
     def dram_bytes(self) -> int:

@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import json
 import random
-import time
-import urllib.request
 
 import pytest
 
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
-from tests.helpers.e2e import metric
+from tests.helpers.e2e import generate_with_logprobs, wait_backed_up
 
 pytestmark = pytest.mark.e2e
 
@@ -32,23 +30,6 @@ PAGE_TOKENS = 16
 PROMPT_PAGES = 30
 OTHERS = 8  # 8 x 480 tokens push P out of HBM (1,024) and the host pool (2,048)
 NEW_TOKENS = 8
-
-
-def generate(server: ServerProcess, ids: list[int]) -> tuple[list[int], dict]:
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}}
-    req = urllib.request.Request(f"{server.base_url}/generate", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})  # fmt: skip
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        out = json.load(resp)
-    return out["output_ids"], out["meta_info"]
-
-
-def wait_backed_up(server: ServerProcess, tokens: float, timeout_s: float = 120.0) -> None:
-    """Block until HiCache reports ``tokens`` host -> L3 backups (sglang:backuped_tokens_total)."""
-    deadline = time.monotonic() + timeout_s
-    while (done := metric(server.base_url, "sglang:backuped_tokens_total")) < tokens:
-        assert time.monotonic() < deadline, f"HiCache backed up {done} of {tokens} tokens to L3"
-        time.sleep(0.2)
 
 
 def test_a_history_evicted_from_hbm_and_host_comes_back_from_the_file_l3(tiny_model, tmp_path):
@@ -63,16 +44,16 @@ def test_a_history_evicted_from_hbm_and_host_comes_back_from_the_file_l3(tiny_mo
     rng = random.Random(5)
     prompts = [[rng.randrange(10, 4000) for _ in range(PROMPT_PAGES * PAGE_TOKENS)] for _ in range(1 + OTHERS)]
     with ServerProcess(tiny_model, extra_args=args, env=cpu_env(), log_path=tmp_path / "hicache.log") as server:
-        first, meta = generate(server, prompts[0])
-        assert int(meta["cached_tokens"]) == 0
+        first = generate_with_logprobs(server.base_url, prompts[0], NEW_TOKENS)
+        assert first["cached"] == 0
         # L3 holds P's full pages before anything pushes P out (the backup is asynchronous).
         wait_backed_up(server, PROMPT_PAGES * PAGE_TOKENS)
         for other in prompts[1:]:
-            generate(server, other)
-        again, meta = generate(server, prompts[0])
-        details = meta.get("cached_tokens_details") or {}
+            generate_with_logprobs(server.base_url, other, NEW_TOKENS)
+        again = generate_with_logprobs(server.base_url, prompts[0], NEW_TOKENS)
+        details = again["details"]
         log = server.log_text()
-    assert again == first  # the KV read back from L3 gives stock's greedy tokens
+    assert again["ids"] == first["ids"]  # the KV read back from L3 gives stock's greedy tokens
     assert int(details.get("device", 0)) == 0 and int(details.get("host", 0)) == 0, details  # P had left both
     assert int(details.get("storage", 0)) >= (PROMPT_PAGES - 1) * PAGE_TOKENS, details
     assert "HiCache prefetch transfer failed" not in log and "pin_memory=True requires" not in log

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import random
-import time
 import urllib.request
 
 import pytest
 
 from hiradix.testing.mooncake import hicache_mooncake_args, hicache_mooncake_env
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, stop_all
-from tests.helpers.e2e import metric
+from tests.helpers.e2e import metric, wait_backed_up
 from tests.helpers.store import requires_mooncake
 
 pytestmark = [pytest.mark.e2e, requires_mooncake]
@@ -58,15 +57,6 @@ def generate(server: ServerProcess, ids: list[int]) -> tuple[list[int], dict]:
     with urllib.request.urlopen(req, timeout=300) as resp:
         out = json.load(resp)
     return out["output_ids"], out["meta_info"]
-
-
-def wait_backed_up(server: ServerProcess, tokens: float, timeout_s: float = 120.0) -> float:
-    """Block until ``server`` reports ``tokens`` host -> store backups (sglang:backuped_tokens_total)."""
-    deadline = time.monotonic() + timeout_s
-    while (done := metric(server.base_url, "sglang:backuped_tokens_total")) < tokens:
-        assert time.monotonic() < deadline, f"{server.base_url} backed up {done} of {tokens} tokens to the store"
-        time.sleep(0.2)
-    return done
 
 
 def storage_hits(meta: dict) -> int:

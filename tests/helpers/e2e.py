@@ -207,6 +207,16 @@ def generate_with_logprobs(base_url: str, input_ids: list[int], max_new_tokens: 
             "details": meta.get("cached_tokens_details") or {}}
 
 
+def wait_backed_up(server: ServerProcess, tokens: float, timeout_s: float = 120.0) -> float:
+    """Block until stock HiCache on ``server`` reports ``tokens`` host -> L3 backups
+    (``sglang:backuped_tokens_total``); returns the count it reached."""
+    deadline = time.monotonic() + timeout_s
+    while (done := metric(server.base_url, "sglang:backuped_tokens_total")) < tokens:
+        assert time.monotonic() < deadline, f"{server.base_url} backed up {done} of {tokens} tokens to L3"
+        time.sleep(0.2)
+    return done
+
+
 def settled(read, done, timeout_s: float = 15.0, poll_s: float = 0.5):
     """``read()`` once ``done(value)`` holds, or its last value after ``timeout_s``: each rank
     publishes its counters at its own scheduler step (about once a second when idle)."""
