@@ -228,9 +228,30 @@ def settled(read, done, timeout_s: float = 15.0, poll_s: float = 0.5):
     return value
 
 
+def wait_fully_idle(base_url: str, timeout_s: float = 60.0) -> None:
+    """Block until every scheduler of ``base_url`` has published a load snapshot (SGLang's
+    ``/v1/loads``) taken after this call began with no request running, waiting, bootstrapping or
+    in its PD prefill inflight queue: the state in which SGLang accepts ``/flush_cache``. A PD
+    prefill server keeps a request in its inflight queue until the decode side acknowledges the
+    transfer, which can come after the client has its answer. The idle scheduler publishes a
+    snapshot each time it goes idle and about once a second while idle."""
+    since = time.time()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(base_url + "/v1/loads?include=core,disagg", timeout=30) as resp:
+            loads = json.loads(resp.read())["loads"]
+        busy = [load for load in loads if load["timestamp"] < since or load["num_running_reqs"] or load["num_waiting_reqs"]
+                or any(load.get("disaggregation", {}).get(k) for k in ("prefill_bootstrap_queue_reqs", "prefill_inflight_queue_reqs"))]  # fmt: skip
+        if loads and not busy:
+            return
+        assert time.monotonic() < deadline, f"{base_url} not idle after {timeout_s} s: {busy or loads}"
+        time.sleep(0.2)
+
+
 def flush_tiers(base_url: str, timeout_s: float = 60.0) -> None:
-    """POST /flush_cache (SGLang's; no request may be running) and wait until the HBM, DRAM and
-    NVMe gauges of hiradix read 0 (the idle scheduler steps about once a second)."""
+    """Once SGLang is fully idle (``wait_fully_idle``), POST /flush_cache and wait until the HBM,
+    DRAM and NVMe gauges of hiradix read 0 (the idle scheduler steps about once a second)."""
+    wait_fully_idle(base_url, timeout_s)
     with urllib.request.urlopen(urllib.request.Request(base_url + "/flush_cache", method="POST"), timeout=60) as resp:
         assert resp.status == 200
     deadline = time.monotonic() + timeout_s
