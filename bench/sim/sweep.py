@@ -113,7 +113,7 @@ def format_sweep(summary: dict) -> str:
     lines += [
         "columns per policy: block hit % (hiradix simulator, nvme scenario); LRU blk / Belady: one pool of DRAM+NVMe",
         "bytes over the trace's blocks (bench/sim/offline.py); ready%: hits already in HBM or DRAM at the first admission",
-        f"try; wait ms: NVMe wait per request; saved%: prefill time saved vs no cache (--cost-model: reads + prefill,",
+        "try; wait ms: NVMe wait per request; saved%: prefill time saved vs no cache (--cost-model: reads + prefill,",
         "load or recompute; else prefill of the misses only); unready%: NVMe tokens admitted unread "
         f"({best}), of prompt tokens;",
         f"worth%: {summary['worth_policy']} with DRAM d + NVMe n over DRAM d+n alone; wall s: slowest scenario.",

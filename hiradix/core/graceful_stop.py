@@ -15,7 +15,7 @@ PUT in flight never lands. :class:`GracefulStop` lets them land first, at most `
    the I/O results and applies those every rank agrees on, as a step does; what lands is
    recorded in the durable index (a page once its parent page is listed, so the index holds no
    orphan), and the DRAM ancestors of landed pages are written too (the controller's
-   ``_persist_prefixes``), so a landed page is not left waiting for a parent that stays in DRAM.
+   ``NvmeLink.persist_prefixes``), so a landed page is not left waiting for a parent that stays in DRAM.
    It ends when no write is in flight, or when any rank's deadline passed or its I/O worker is
    gone (agreed, so every rank ends in the same round). The rest is lost.
 3. It logs one line (:class:`StopReport`): writes in flight, pages kept (landed and listed by
@@ -24,7 +24,7 @@ PUT in flight never lands. :class:`GracefulStop` lets them land first, at most `
 
 Bookkeeping only: the I/O port's ``wait`` is the one blocking call. The drain is a part of the
 controller kept in its own module: it goes through the controller's own completion path (its
-I/O results, ``_apply``, ``_persist_prefixes``), so a landed write is applied as a step applies it.
+I/O results, ``_apply``, ``NvmeLink.persist_prefixes``), so a landed write is applied as a step applies it.
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ class GracefulStop:
         if ctl.books.in_flight(Kind.BACKUP):  # ancestors only in HBM (write_back): in DRAM now
             ctl._reap(ctl.mover.flush())
         before = set(writes_in_flight(ctl.books))
-        ctl._persist_prefixes()  # the DRAM ancestors of what landed go down too
+        ctl.nvme.persist_prefixes()  # the DRAM ancestors of what landed go down too
         started = set(writes_in_flight(ctl.books)) - before
         self.report.ancestor_pages += sum(len(ctl.books.ops[i].src_ids) for i in started)
         return False

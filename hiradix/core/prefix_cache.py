@@ -96,7 +96,7 @@ class TieredPrefixCache:
         """
         m = self.tree.match(tokens, namespace)
         if self.tiers is not None:
-            if m.hbm_len and self.tiers.write_selective:
+            if m.hbm_len and self.tiers.plan.write_selective:
                 self.tiers.after_hit(m.stage(Tier.HBM))
             self._start_reads(m, tokens, namespace, ahead=False)
         return m
@@ -138,7 +138,7 @@ class TieredPrefixCache:
         for tier in (Tier.NVME, Tier.STORE):
             if m.length(tier) and (tier == Tier.NVME or tiers.store_read_worth(m.length(tier))):
                 stage = m.stage(tier)
-                wait |= tiers.prefetch_pending(stage, self.load_timeout_s) or tiers.unread_pending(stage, self.load_timeout_s)
+                wait |= tiers.waits.any_pending(stage, self.load_timeout_s) or tiers.waits.unread_pending(stage, self.load_timeout_s)
         wait |= tiers.lookup_pending(m, tokens, namespace, self.load_timeout_s)
         tiers.stats.admission_skips += wait
         return wait

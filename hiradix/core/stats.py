@@ -41,3 +41,20 @@ class TierStats:
     read_ahead_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(READ_AHEAD_OUTCOMES, 0))
     admission_skips: int = 0
     restored_pages: int = 0
+
+    def note_transfer(self, kind: Kind, pages: int, ok_pages: int, page_bytes: int, page_size: int) -> None:
+        """A transfer of ``pages`` completed, ``ok_pages`` of them landed."""
+        self.bytes_moved[kind.name] += ok_pages * page_bytes
+        if ok_pages < pages:
+            self.transfers_failed[kind.name] += 1
+        if kind == Kind.PREFETCH:
+            self.prefetch_tokens["completed"] += ok_pages * page_size
+            self.prefetch_tokens["failed"] += (pages - ok_pages) * page_size
+
+    def note_promoted(self, read_from_nvme: int, waited_from_nvme: int, read_from_store: int) -> None:
+        """Tokens promoted to HBM whose DRAM copy was read up for this use: from NVMe (of them,
+        ``waited_from_nvme`` waited for at admission, the rest read ahead) and from the store."""
+        self.prefetch_tokens["used"] += read_from_nvme
+        self.store_tokens["used"] += read_from_store
+        self.storage_hit_tokens["ahead"] += read_from_nvme - waited_from_nvme
+        self.storage_hit_tokens["at_admission"] += waited_from_nvme

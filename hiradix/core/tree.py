@@ -508,7 +508,7 @@ class TieredRadixTree:
             # The evictor backs a last HBM copy up to DRAM first (or drops the subtree below).
             return node.lock_ref == 0 and not any(c.hbm_slots is not None for c in node.children.values())
         if tier == Tier.NVME and any(c.in_tier(Tier.NVME) for c in node.children.values()):
-            # NVMe stays closed under ancestors (``_persist_prefixes`` puts them there): a page
+            # NVMe stays closed under ancestors (``NvmeLink.persist_prefixes`` puts them there): a page
             # whose parent is not on NVMe cannot be re-indexed after a restart (an orphan).
             return False
         # Dropping the last copy of a node with children would orphan them.

@@ -24,6 +24,8 @@ import torch
 
 from hiradix.core.controller import TierController
 from hiradix.core.ledger import TierBooks
+from hiradix.core.node import Tier
+from hiradix.core.plan import EXACT, TierPlan, TierSpec
 from hiradix.core.store_tier import STORE_RETRY_S
 from hiradix.core.tree import TieredRadixTree
 from hiradix.dataplane.layerwise import LayerwiseLoader
@@ -48,6 +50,11 @@ def cold_tiers_of(config: Any) -> tuple[str, ...]:
     """The tiers that hold compressed pages (none when the format is ``exact``)."""
     fmt = getattr(config, "cold_format", "exact")
     return () if fmt == "exact" else tuple(getattr(config, "cold_tiers", ()))
+
+
+def _format_in(config: Any, tier: str) -> str:
+    """The page format of ``tier``: the cold codec's name in a compressed tier, else ``exact``."""
+    return config.cold_format if tier in cold_tiers_of(config) else EXACT
 
 
 def tier_page_bytes(config: Any, layout: KVLayout, tier: str) -> int:
@@ -217,6 +224,44 @@ def _nvme_tier(config: Any, layout: KVLayout, tp_rank: int, page_size: int, iden
     return nvme_dir, nvme_slots, lock_fd, index, pages
 
 
+def _dram_pool(config: Any, layout: KVLayout, dram_pages: int, dram_page_bytes: int, group_rank: int,
+               tp_group: Optional[Any]) -> tuple[DramPool, bool]:
+    """This rank's DRAM pool, and whether it is the node's one shared copy (MLA under TP)."""
+    if wants_shared_copy(layout, tp_group, config.mla_host_copy):
+        return shared_dram_pool(layout, dram_pages, group_rank, tp_group, page_bytes=dram_page_bytes)
+    return DramPool.create_anonymous(layout, dram_pages, page_bytes=dram_page_bytes), False
+
+
+def _store_prefix(config: Any, layout: KVLayout, identity: Optional[dict], group_rank: int) -> Optional[str]:
+    """The cluster store's key prefix (the KV fingerprint of this rank's shard); None: no store."""
+    if not config.has_store_tier:
+        return None
+    if identity is None:
+        raise ValueError("the cluster store needs the model identity for its keys")
+    return store_key_prefix(identity["model_id"], identity["model_dtype"], layout, group_rank, identity["tp_size"],
+                            attn_dp_size=identity.get("attn_dp_size", 1), page_format=_format_in(config, "store"))
+
+
+def tier_plan(config: Any, layout: KVLayout, page_size: int, dram: DramPool, nvme_slots: int,
+              key_prefix: Optional[str], owner: bool, store_retry_s: float = STORE_RETRY_S) -> TierPlan:
+    """The :class:`~hiradix.core.plan.TierPlan` of one rank, resolved once: each tier's pages,
+    page bytes and format, the host bytes this process reserves (0 on a rank that maps the
+    ``owner``'s copy), the store's key prefix and the policies of ``config``."""
+    nvme_page_bytes = tier_page_bytes(config, layout, "nvme")
+    nvme_reserved = nvme_slots * slot_bytes_for(nvme_page_bytes) if owner else 0
+    return TierPlan(
+        page_size=page_size, hbm_page_bytes=layout.page_bytes,
+        dram=TierSpec(Tier.DRAM, dram.num_pages, dram.page_bytes, _format_in(config, "dram"),
+                      reserved_bytes=dram.dram_bytes if owner else 0),
+        nvme=TierSpec(Tier.NVME, nvme_slots, nvme_page_bytes, _format_in(config, "nvme"),
+                      reserved_bytes=nvme_reserved) if nvme_slots else None,
+        store=TierSpec(Tier.STORE, 0, tier_page_bytes(config, layout, "store"), _format_in(config, "store"),
+                       key_prefix=key_prefix) if key_prefix is not None else None,
+        write_through=config.write_policy == "write_through", dram_staging=config.dram_mode == "staging",
+        store_write_policy=config.store_write_policy, store_read=config.store_read, store_retry_s=store_retry_s,
+        stop_timeout_s=float(getattr(config, "stop_timeout_s", 0.0)))  # fmt: skip
+
+
 def build_tiers(
     tree: TieredRadixTree,
     config: Any,
@@ -259,11 +304,7 @@ def build_tiers(
     # This rank in the group that shares a batch (the attention-TP group under DP attention): it
     # picks the KV shard of the store keys, the store writer and the owner of a shared host copy.
     group_rank = torch.distributed.get_rank(group=tp_group) if multi_rank else 0
-    shared = wants_shared_copy(layout, tp_group, config.mla_host_copy)  # MLA under TP: one host copy per node
-    if shared:
-        dram, shared = shared_dram_pool(layout, dram_pages, group_rank, tp_group, page_bytes=dram_page_bytes)
-    else:
-        dram = DramPool.create_anonymous(layout, dram_pages, page_bytes=dram_page_bytes)
+    dram, shared = _dram_pool(config, layout, dram_pages, dram_page_bytes, group_rank, tp_group)
     owner = not shared or group_rank == OWNER_RANK  # moves the pages below HBM (all of them, when shared)
     device = device_buffers(kv_pool, layout)[0][0].device
     if device.type == "cuda":
@@ -274,13 +315,7 @@ def build_tiers(
         nvme_dir, nvme_slots, lock_fd, index, pages = None, _nvme_slots(config, layout), -1, None, []
     if shared:
         pages = share_persisted_pages(pages, group_rank, tp_group)
-    key_prefix = None
-    if config.has_store_tier:
-        if identity is None:
-            raise ValueError("the cluster store needs the model identity for its keys")
-        key_prefix = store_key_prefix(identity["model_id"], identity["model_dtype"], layout, group_rank,
-                                      identity["tp_size"], attn_dp_size=identity.get("attn_dp_size", 1),
-                                      page_format="store" in cold_tiers_of(config) and config.cold_format or "exact")
+    key_prefix = _store_prefix(config, layout, identity, group_rank)
     client = None
     if (nvme_slots > 0 or key_prefix is not None) and not owner:
         client = ReplicaIOClient()  # rank 0's worker moves this rank's pages too
@@ -295,18 +330,9 @@ def build_tiers(
     journal = IndexJournal(index, tree) if index is not None else None
     if not owner and nvme_slots > 0 and identity is not None:
         journal = ReplicaJournal()  # the owner persists; this rank keeps the same books
-    tiers = TierController(tree, books, mover, client, layout.page_bytes, config.write_policy == "write_through",
-                           sync=RankSync(tp_group) if multi_rank else None, journal=journal,
-                           store_key_prefix=key_prefix, store_write_policy=config.store_write_policy,
-                           store_retry_s=store_retry_s, dram_staging=config.dram_mode == "staging",
-                           store_read=config.store_read,
-                           stop_timeout_s=float(getattr(config, "stop_timeout_s", 0.0)))
-    # Host bytes this process reserves (the metrics' sglang:hiradix_reserved_bytes): 0 on a rank
-    # that uses the owner's copy.
-    tiers.reserved_bytes = ((dram.dram_bytes, nvme_slots * slot_bytes_for(tier_page_bytes(config, layout, "nvme")))
-                            if owner else (0, 0))
-    tiers.tier_page_bytes = (layout.page_bytes, dram_page_bytes, tier_page_bytes(config, layout, "nvme"),
-                             tier_page_bytes(config, layout, "store"))
+    plan = tier_plan(config, layout, page_size, dram, nvme_slots, key_prefix, owner, store_retry_s)
+    tiers = TierController(tree, books, mover, client, plan, sync=RankSync(tp_group) if multi_rank else None,
+                           journal=journal)
     tiers.on_close(dram.close)
     tiers.on_close(lambda: shutil.rmtree(shm_dir, ignore_errors=True))
     if index is not None or not owner:  # a rank that maps the owner's copy restores the owner's pages

@@ -159,11 +159,11 @@ class TieredRadixCache(BasePrefixCache):
 
         labels = radix_cache_metric_labels(type(self).__name__, get_parallel(), is_dp_attention_enabled())
         labels.update(get_observability().extra_metric_labels or {})
-        books = self.tiers.books
-        pages = (self.token_to_kv_pool_allocator.size // self.page_size, books.dram.capacity,
-                 books.nvme.capacity if books.nvme is not None else 0, 0)  # the store's size is not ours
-        return TierMetrics(labels, self.page_size, self.tiers.page_bytes, pages, reserved_bytes=self.tiers.reserved_bytes,
-                           tier_page_bytes=getattr(self.tiers, "tier_page_bytes", None))
+        plan = self.tiers.plan
+        pages = (self.token_to_kv_pool_allocator.size // self.page_size, plan.dram.capacity_pages, plan.nvme_slots,
+                 0)  # the store's size is not ours
+        return TierMetrics(labels, self.page_size, plan.hbm_page_bytes, pages, reserved_bytes=plan.reserved_bytes,
+                           tier_page_bytes=plan.page_bytes_by_tier)
 
     @property
     def last_view(self) -> Optional[QueueView]:

@@ -25,6 +25,7 @@ from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
 from hiradix.core.controller import TierController
+from hiradix.core.plan import TierPlan
 from hiradix.core.ledger import Kind, TierBooks, Transfer
 from hiradix.core.tree import TieredRadixTree
 from hiradix.io.protocol import GetStore, JobDone, LoadPages, PutStore, QueryStore, StorePages
@@ -341,6 +342,7 @@ def simulated_controller(
     store_query_s: float = 0.0,
     write_selective: bool = False,
     dram_staging: bool = False,
+    client: Optional[SimIOClient] = None,
 ) -> TierController:
     """A real :class:`TierController` over data-less ports, sized like ``runtime.assembly.build_tiers``.
 
@@ -358,18 +360,19 @@ def simulated_controller(
             KV use the same prefix).
         store_write_policy, store_read_s_per_page, store_write_s_per_page, store_query_s: the
             store tier's write policy and simulated timings.
-        write_selective: back up only nodes hit again (``TierController(write_selective=)``).
+        write_selective: back up only nodes hit again (``TierPlan.write_selective``).
         dram_staging: DRAM only carries pages in flight (``--hiradix-dram-mode staging``).
+        client: the I/O port to use instead of a :class:`SimIOClient` made from the rates above.
     """
     books = TierBooks(tree, dram_pages, nvme_slots)
-    client = None
-    if nvme_slots > 0 or store is not None:
+    if client is None and (nvme_slots > 0 or store is not None):
         client = SimIOClient(clock, read_s_per_page, write_s_per_page, store, store_read_s_per_page,
                              store_write_s_per_page, store_query_s)
-    return TierController(tree, books, SimHostMover(), client, page_bytes, write_through, clock=clock,
-                          store_key_prefix=store_key_prefix if store is not None else None,
-                          store_write_policy=store_write_policy,
-                          write_selective=write_selective, dram_staging=dram_staging)
+    plan = TierPlan.uniform(tree.page_size, page_bytes, dram_pages, nvme_slots,
+                            store_key_prefix=store_key_prefix if store is not None else None, write_through=write_through,
+                            store_write_policy=store_write_policy, write_selective=write_selective,
+                            dram_staging=dram_staging)
+    return TierController(tree, books, SimHostMover(), client, plan, clock=clock)
 
 
 def next_event_s(tiers: Optional[TierController]) -> Optional[float]:

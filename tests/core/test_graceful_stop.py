@@ -16,6 +16,7 @@ import logging
 import pytest
 
 from hiradix.core.controller import TierController
+from hiradix.core.plan import TierPlan
 from hiradix.core.ledger import Kind, TierBooks
 from hiradix.core.node import Tier
 from hiradix.core.policy import make_policy
@@ -43,9 +44,9 @@ class Server:
         self.index, pages = NvmeIndex.open(directory, FP, NVME_SLOTS, PS)
         self.restored = restore(self.tree, self.books, pages)
         self.client = SimIOClient(self.clock, read_s_per_page=0.1, write_s_per_page=write_s)
-        self.tiers = TierController(self.tree, self.books, SimHostMover(), self.client, page_bytes=64,
-                                    write_through=True, clock=self.clock, sync=sync,
-                                    journal=IndexJournal(self.index, self.tree), stop_timeout_s=timeout_s)
+        self.tiers = TierController(self.tree, self.books, SimHostMover(), self.client,
+                                    TierPlan.uniform(PS, 64, DRAM_PAGES, NVME_SLOTS, stop_timeout_s=timeout_s),
+                                    clock=self.clock, sync=sync, journal=IndexJournal(self.index, self.tree))
         self.device = SimDevicePool(HBM_TOKENS, PS)
         self.cache = TieredPrefixCache(self.tree, self.device, self.tiers)
 
@@ -152,7 +153,7 @@ def test_a_child_landed_before_its_parent_waits_and_the_stop_writes_the_parent_f
     children = list(parent.children.values())
     assert parent.tiers() == [Tier.HBM, Tier.DRAM] and len(children) == 2
     for child in children:  # the leaves go down first (as eviction's order sends them)
-        server.tiers._submit_store(server.tiers.placement.prepare(Kind.DEMOTE, [child]))
+        server.tiers.nvme.submit_store(server.tiers.placement.prepare(Kind.DEMOTE, [child]))
     server.tiers.stop.request()
     server.step()
     report = server.tiers.drain()
@@ -174,7 +175,7 @@ def test_sigkill_after_a_child_landed_before_its_parent_leaves_no_orphan(tmp_pat
         server.step()
     parent = server.tree.match([1, 2, 3, 4]).nodes[-1]
     child = next(iter(parent.children.values()))
-    server.tiers._submit_store(server.tiers.placement.prepare(Kind.DEMOTE, [child]))
+    server.tiers.nvme.submit_store(server.tiers.placement.prepare(Kind.DEMOTE, [child]))
     server.clock.advance_to(server.clock() + 10 * WRITE_S)
     server.cache.step()  # the child landed: in the tree on NVMe, waiting in the index
     assert child.in_tier(Tier.NVME) and not parent.in_tier(Tier.NVME)

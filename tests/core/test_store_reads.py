@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from hiradix.core.controller import LOOKUP_FAILED, found_of
+from hiradix.core.outcomes import LOOKUP_FAILED, found_of
 from hiradix.core.node import Tier
 from hiradix.core.store_reads import DecayedRate, PrefillRate, StoreReadChoice
 from hiradix.testing.sim_ports import SimClock, SimStore
@@ -174,7 +174,7 @@ def test_a_store_only_run_in_the_tree_is_not_waited_for_when_not_worth_reading(p
 def test_under_tp_the_tree_path_reads_unless_never(pair):
     a, _ = pair
     a.tiers.store.reads = measured("auto", read_bytes_per_s=3.2e3)
-    a.tiers.sync = types.SimpleNamespace(size=2)  # two ranks: local estimates are not agreed there
+    a.tiers.store_link.ranks = 2  # two ranks: local estimates are not agreed there
     assert a.tiers.store_read_worth(6)
     a.tiers.store.reads = StoreReadChoice("never", BYTES_PER_TOKEN, PS)
     assert not a.tiers.store_read_worth(6)

@@ -398,7 +398,7 @@ def test_persisting_a_prefix_skips_ancestors_only_the_store_holds():
     (found by tests/e2e/test_e2e_mla.py: a TypeError in the scheduler)."""
     from types import SimpleNamespace
 
-    from hiradix.core.controller import TierController
+    from hiradix.core.nvme_link import NvmeLink
 
     class Node(SimpleNamespace):
         __hash__ = object.__hash__  # identity, as TreeNode
@@ -410,14 +410,12 @@ def test_persisting_a_prefix_skips_ancestors_only_the_store_holds():
     child = Node(held={Tier.NVME}, ops=0, alive=True)
     prepared, synced = [], []
     journal = SimpleNamespace(landed=[child], sync=lambda: synced.append(1))
-    ctl = SimpleNamespace(
-        journal=journal,
-        books=SimpleNamespace(nvme_enabled=True, in_flight=lambda kind: []),
-        tree=SimpleNamespace(path=lambda node: [parent, node]),
-        placement=SimpleNamespace(prepare=lambda kind, nodes: prepared.append((kind, nodes))),
-    )
-    TierController._persist_prefixes(ctl)
+    link = NvmeLink(tree=SimpleNamespace(path=lambda node: [parent, node]),
+                    books=SimpleNamespace(nvme_enabled=True, in_flight=lambda kind: []),
+                    placement=SimpleNamespace(prepare=lambda kind, nodes: prepared.append((kind, nodes))),
+                    client=None, mover=None, journal=journal)
+    link.persist_prefixes()
     assert prepared == [] and journal.landed == [child] and synced == [1]
     parent.held = {Tier.HBM, Tier.STORE}  # back in HBM: now it is backed up (then demoted)
-    TierController._persist_prefixes(ctl)
+    link.persist_prefixes()
     assert [kind.name for kind, _ in prepared] == ["BACKUP"]

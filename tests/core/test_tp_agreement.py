@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 
 from hiradix.core.controller import TierController
+from hiradix.core.plan import TierPlan
 from hiradix.core.ledger import TierBooks
 from hiradix.core.node import Tier
 from hiradix.core.policy import make_policy
@@ -45,8 +46,9 @@ class Rank:
         self.tree = TieredRadixTree(PS, make_policy("lookahead"), clock=self.clock)
         books = TierBooks(self.tree, 8, 64)  # DRAM 8 pages, NVMe 64 slots
         self.client = DyingIOClient(self.clock, IO_S, IO_S, SimStore(), IO_S, IO_S, IO_S)
-        self.tiers = TierController(self.tree, books, SimHostMover(), self.client, page_bytes=64, write_through=True,
-                                    clock=self.clock, sync=ranks.sync(rank), store_key_prefix=f"rank{rank}/")
+        self.tiers = TierController(self.tree, books, SimHostMover(), self.client,
+                                    TierPlan.uniform(PS, 64, 8, 64, store_key_prefix=f"rank{rank}/"),
+                                    clock=self.clock, sync=ranks.sync(rank))
         self.device = SimDevicePool(48, PS)  # HBM 48 tokens: every few requests evict
         self.cache = TieredPrefixCache(self.tree, self.device, self.tiers, load_timeout_s=TIMEOUT_S)
         self.rate = CLOCK_RATE[rank]
@@ -99,8 +101,8 @@ def test_worker_deaths_on_one_rank_and_a_clock_ahead_on_another_never_split_the_
     assert r0.client.deaths == 4 and r0.client.disabled and not r1.client.disabled and r1.client.check_alive()
     # NVMe off on both ranks in the step rank 0's client gave up (its 4th death, step 24)
     assert [h["nvme_on"] for h in history].index(False) == 4 * KILL_EVERY - 1
-    assert r0.tiers.nvme_off_reason == "the I/O worker keeps dying"
-    assert r1.tiers.nvme_off_reason == "another TP rank's I/O worker keeps dying"
+    assert r0.tiers.nvme.off_reason == "the I/O worker keeps dying"
+    assert r1.tiers.nvme.off_reason == "another TP rank's I/O worker keeps dying"
     assert r0.tree.tier_tokens[Tier.NVME] == 0
     # the store: off with the worker, tried again only once rank 0's clock said so
     off = [k for k, h in enumerate(history, 1) if not h["store_on"]]

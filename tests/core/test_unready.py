@@ -39,7 +39,7 @@ def test_a_page_being_written_to_nvme_is_served_from_dram_until_the_write_lands(
 def test_an_admission_read_drops_dram_copies_still_waiting_for_nvme_not_its_own(monkeypatch):
     # DRAM 3 pages; one store to NVMe in flight at a time (10 s/page): DRAM fills with last
     # copies waiting for their store.
-    monkeypatch.setattr("hiradix.core.controller.MAX_DEMOTIONS_IN_FLIGHT", 1)
+    monkeypatch.setattr("hiradix.core.nvme_link.MAX_DEMOTIONS_IN_FLIGHT", 1)
     s = SimServer(dram_pages=3, write_s=10.0)
     old = s.serve(keys(1, pages=1))
     s.at(0.0)

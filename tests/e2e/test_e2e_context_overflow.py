@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import random
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest

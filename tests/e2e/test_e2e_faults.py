@@ -37,7 +37,7 @@ from typing import Any, Iterator, Optional
 import pytest
 
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env
-from hiradix.core.controller import MAX_NVME_FAILURES_IN_ROW
+from hiradix.core.nvme_link import MAX_NVME_FAILURES_IN_ROW
 from tests.helpers.e2e import TURNS, WORDS, assert_same_outputs, metric, run_sessions, tiered_flags
 
 pytestmark = pytest.mark.e2e

@@ -158,3 +158,24 @@ def test_a_spec_whose_page_bytes_do_not_match_the_encoded_dram_page_is_refused(b
     monkeypatch.setenv("HIRADIX_FAULTS", "")
     with pytest.raises(ValueError, match="DRAM page"):
         Worker(spec, "ipc:///nonexistent", None)
+
+
+def test_the_tier_plan_carries_each_tiers_format_and_bytes():
+    """``tier_plan`` resolves page bytes, formats and reserved bytes once: a compressed NVMe tier
+    holds encoded pages in smaller slots; a rank that maps the owner's copy reserves nothing."""
+    from types import SimpleNamespace
+
+    from hiradix.config import HiRadixConfig
+    from hiradix.runtime.assembly import tier_plan
+    from hiradix.tiers.nvme import slot_bytes_for
+
+    fp8 = HiRadixConfig.from_flags(cold_format="fp8", cold_tiers="nvme,store")
+    dram = SimpleNamespace(num_pages=10, page_bytes=LAYOUT.page_bytes, dram_bytes=10 * LAYOUT.page_bytes)
+    plan = tier_plan(fp8, LAYOUT, 16, dram, nvme_slots=4, key_prefix="fp/", owner=True)
+    encoded = PageCodec(LAYOUT, "fp8").encoded_bytes
+    assert plan.page_bytes_by_tier == (LAYOUT.page_bytes, LAYOUT.page_bytes, encoded, encoded)
+    assert (plan.dram.page_format, plan.nvme.page_format, plan.store.page_format) == ("exact", "fp8", "fp8")
+    assert plan.reserved_bytes == (10 * LAYOUT.page_bytes, 4 * slot_bytes_for(encoded))
+    assert encoded < LAYOUT.page_bytes and plan.store_key_prefix == "fp/"
+    mapped = tier_plan(HiRadixConfig(), LAYOUT, 16, dram, nvme_slots=4, key_prefix=None, owner=False)
+    assert mapped.reserved_bytes == (0, 0) and mapped.store is None and mapped.nvme.page_bytes == LAYOUT.page_bytes

@@ -20,7 +20,7 @@ import pytest
 from hiradix.io.faults import CRASH_LOG_NAME, Faults
 from hiradix.io.protocol import JobDone, LoadPages, StorePages
 from hiradix.testing.sim_ports import SimClock, SimIOClient, simulated_controller
-from hiradix.core.controller import MAX_NVME_FAILURES_IN_ROW
+from hiradix.core.nvme_link import MAX_NVME_FAILURES_IN_ROW
 from hiradix.tiers.nvme import NVME_FILE_NAME, slot_bytes_for
 from hiradix.core.node import Tier
 from hiradix.core.tree import TieredRadixTree
@@ -193,8 +193,8 @@ class FailingIO(SimIOClient):
 def controller(dram_pages: int = 32, nvme_slots: int = 32):
     clock = SimClock()
     tree = TieredRadixTree(PS, clock=clock)
-    tiers = simulated_controller(tree, dram_pages, nvme_slots, page_bytes=64, write_through=True, clock=clock)
-    tiers.client = FailingIO(clock)
+    tiers = simulated_controller(tree, dram_pages, nvme_slots, page_bytes=64, write_through=True, clock=clock,
+                                 client=FailingIO(clock))
     return tree, tiers, tiers.client
 
 
@@ -219,7 +219,7 @@ def switched_off(caplog) -> list[str]:
 def test_failed_writes_in_a_row_switch_nvme_off_once(caplog):
     tree, tiers, io = controller()
     io.fail = (StorePages,)  # a disk that refuses every write (ENOSPC)
-    caplog.set_level(logging.WARNING, logger="hiradix.core.controller")
+    caplog.set_level(logging.WARNING, logger="hiradix.core.nvme_link")
     (node,) = dram_only(tree, tiers, [[1, 1, 2, 2]])
     for _ in range(MAX_NVME_FAILURES_IN_ROW - 1):
         tiers.step()  # a failed store: rolled back, and retried
@@ -241,7 +241,7 @@ def test_failed_writes_in_a_row_switch_nvme_off_once(caplog):
 
 def test_failed_reads_in_a_row_switch_nvme_off_and_a_late_store_is_not_kept(caplog):
     tree, tiers, io = controller()
-    caplog.set_level(logging.WARNING, logger="hiradix.core.controller")
+    caplog.set_level(logging.WARNING, logger="hiradix.core.nvme_link")
     nodes = dram_only(tree, tiers, [[k, k] for k in range(1, 12)])
     tiers.step()  # demotions land (the disk still works)
     for node in nodes:

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from hiradix.core.controller import TierController
+from hiradix.core.plan import TierPlan
 from hiradix.core.ledger import Kind, TierBooks
 from hiradix.core.tree import TieredRadixTree
 from hiradix.sglang_plugin import stop
@@ -34,7 +35,7 @@ class Cache:
         tree = TieredRadixTree(PS, clock=self.clock)
         self.tiers = TierController(tree, TierBooks(tree, 8, 8), SimHostMover(),
                                     SimIOClient(self.clock, read_s_per_page=0.1, write_s_per_page=1.0),
-                                    page_bytes=64, write_through=True, clock=self.clock, stop_timeout_s=10.0)
+                                    TierPlan.uniform(PS, 64, 8, 8, stop_timeout_s=10.0), clock=self.clock)
         self.released = False
 
     def release_host_resources(self):
@@ -49,7 +50,7 @@ class Cache:
         tiers.after_insert([node])
         tiers.step()  # the backup lands
         op = tiers.placement.prepare(Kind.DEMOTE, [node])
-        tiers._submit_store(op)
+        tiers.nvme.submit_store(op)
         return op
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from hiradix.core.controller import LOOKUP_FAILED, found_of, outcome_of
+from hiradix.core.outcomes import LOOKUP_FAILED, found_of, outcome_of
 from hiradix.core.ports import OK
 from hiradix.dataplane.layout import KVLayout
 from hiradix.runtime.shared_host_copy import (ReplicaIOClient, ReplicaJournal, share_persisted_pages,
