@@ -17,7 +17,15 @@ store, persist). Two ways of passing the queue:
 Prints the median and a 95% bootstrap interval of the per-step time over ``--steps`` steps
 (after one warm-up step, which builds the peeks), and writes JSON. Target: <= 1 ms per step.
 
+``--nodes 10000,100000`` (issue 31 item 2) times each part of hiradix's per-step and
+per-admission work separately on trees of that many nodes (conversations of
+``--conversation-tokens``), with the queue of ``--window`` requests: the look-ahead window, the
+controller's step, the Prometheus update (``TierMetrics.update``), admission (``should_wait`` and
+``match`` for every queued request, as SGLang's adder asks each step) and one HBM eviction of a
+page (``evict``: the victims' heap over every HBM candidate).
+
     .venv/bin/python bench/micro/step_cost.py                 # 1M cached tokens, W = 64 x 32k tokens
+    .venv/bin/python bench/micro/step_cost.py --nodes 10000,100000 --conversation-tokens 64 --request-tokens 1024
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 if __package__ in (None, ""):  # run as a script: make `hiradix` and `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -85,6 +93,46 @@ def time_steps(cache: TieredPrefixCache, keys: list, steps: int, memo: bool) -> 
     return times
 
 
+def time_parts(cache: TieredPrefixCache, keys: list, steps: int) -> dict[str, list[float]]:
+    """Per-step seconds of each part of hiradix's scheduler work (after one warm-up step)."""
+    from prometheus_client import CollectorRegistry
+
+    from hiradix.runtime.metrics import TierMetrics
+
+    tiers, tree = cache.tiers, cache.tree
+    metrics = TierMetrics({"model_name": "bench"}, PAGE, 1, (cache.device.capacity_tokens // PAGE, tiers.books.dram.capacity,
+                          tiers.books.nvme.capacity, 0), registry=CollectorRegistry())  # fmt: skip
+    parts: dict[str, Callable[[], object]] = {
+        "lookahead": lambda: cache.observe_queue(keys),
+        "step": cache.step,
+        "metrics": lambda: metrics.update(tiers.stats, tiers.books, tree.tier_tokens, cache.last_view, store=tiers.store),
+        "admission_should_wait": lambda: [cache.should_wait(k) for k in keys],
+        "admission_match": lambda: [cache.match(k.tokens) for k in keys],
+        "evict_one_page": lambda: cache.evict(PAGE),
+    }
+    times: dict[str, list[float]] = {name: [] for name in parts}
+    for i in range(steps + 1):
+        for name, part in parts.items():
+            start = time.perf_counter()
+            part()
+            if i:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def report_nodes(args: argparse.Namespace, nodes: int) -> dict:
+    """Build a tree of ``nodes`` conversations and time each part of the per-step work."""
+    cache, conversations = build(nodes * args.conversation_tokens, args.conversation_tokens)
+    keys = [QueuedKey(tokens) for tokens in queue(conversations, args.window, args.request_tokens)]
+    out = {"tree_nodes": sum(1 for _ in cache.tree.iter_nodes()), "window": args.window}
+    for name, times in time_parts(cache, keys, args.steps).items():
+        low, high = bootstrap_ci(times)
+        out[name] = {"median_ms": 1000 * statistics.median(times), "ci95_ms": [1000 * low, 1000 * high]}
+        print(f"{out['tree_nodes']:>7} nodes  {name:<22} {out[name]['median_ms']:9.3f} ms [{1000 * low:.3f}, "
+              f"{1000 * high:.3f}]")
+    return out
+
+
 def bootstrap_ci(values: Sequence[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
     rng = random.Random(seed)
     medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
@@ -98,8 +146,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--request-tokens", type=int, default=32768)
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--nodes", default="", help="comma-separated tree sizes: time each part of the per-step work")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default runs/step-cost-<time>.json)")
     args = p.parse_args(argv)
+    if args.nodes:
+        result = {"parts": {n: report_nodes(args, int(float(n))) for n in args.nodes.split(",")},
+                  "conversation_tokens": args.conversation_tokens, "request_tokens": args.request_tokens,
+                  "steps": args.steps}
+        out = args.out or Path("runs") / time.strftime("step-cost-parts-%Y%m%d-%H%M%S.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        return 0
     t0 = time.perf_counter()
     cache, conversations = build(args.cached_tokens, args.conversation_tokens)
     built_s = time.perf_counter() - t0

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from hiradix.core.deferred_backups import DeferredBackups
 from hiradix.core.dram_reads import DramReads
@@ -326,6 +326,16 @@ class TierController:
         mover_ops = {op.op_id for op in self.books.in_flight() if op.kind in (Kind.BACKUP, Kind.PROMOTE)}
         for op_id in sorted(set(op_ids) | {k for k in self._local_done if k in mover_ops}):
             self._apply(op_id, OK)
+
+    def wait_for_io(self, timeout_s: float, wake: Sequence[Any] = ()) -> int:
+        """Block until an I/O result arrives (recorded for the next :meth:`step` to agree on and
+        apply), a ``wake`` socket is readable, or ``timeout_s`` passes; returns results recorded.
+        For a scheduler with nothing to run but requests waiting for reads: instead of spinning."""
+        if self.client is None:
+            return 0
+        results = self.client.wait(timeout_s, wake)
+        self._record_results(results)
+        return len(results)
 
     # ------------------------------------------------------------ lifecycle
     def reset(self) -> None:

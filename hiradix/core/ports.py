@@ -132,8 +132,9 @@ class IOClient(Protocol):
         """Results that have arrived; never blocks."""
         ...
 
-    def wait(self, timeout_s: float) -> list[JobResult]:
-        """Block until a result arrives or ``timeout_s`` seconds pass."""
+    def wait(self, timeout_s: float, wake: Sequence[Any] = ()) -> list[JobResult]:
+        """Block until a result arrives, one of the ``wake`` sockets (zmq sockets or file
+        descriptors the caller also serves) is readable, or ``timeout_s`` seconds pass."""
         ...
 
     def check_alive(self) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from hiradix.core.controller import TierController
 from hiradix.core.lookahead import QueuedKey, QueueView, peek, plan
@@ -85,6 +85,9 @@ class TieredPrefixCache:
         self.check_every_step = check_every_step
         self.on_evict = on_evict
         self.last_view: Optional[QueueView] = None
+        # Admission skipped a request for its reads since the last step: a scheduler with nothing
+        # to run may then block on the I/O results (wait_for_reads) instead of spinning.
+        self.held_for_reads = False
 
     # ------------------------------------------------------------ match
     def match(self, tokens: Key, namespace: Namespace = None) -> TreeMatch:
@@ -141,6 +144,7 @@ class TieredPrefixCache:
                 wait |= tiers.waits.any_pending(stage, self.load_timeout_s) or tiers.waits.unread_pending(stage, self.load_timeout_s)
         wait |= tiers.lookup_pending(m, tokens, namespace, self.load_timeout_s)
         tiers.stats.admission_skips += wait
+        self.held_for_reads |= wait
         return wait
 
     def load_back(self, start: TreeNode, end: TreeNode, num_tokens: int) -> LoadBack:
@@ -267,6 +271,7 @@ class TieredPrefixCache:
     def step(self) -> None:
         """Per scheduler step: reap copies and I/O results, store DRAM-only pages down; with a
         policy that reads ahead, start reads of the prefixes it predicts will return soon."""
+        self.held_for_reads = False
         policy = self.tree.policy
         if policy.uses_history:
             policy.observe_step(self.tree.clock())
@@ -276,6 +281,16 @@ class TieredPrefixCache:
                 self.tiers.read_ahead(policy.priority, policy.worth_reading, self.load_timeout_s)
         if self.check_every_step:
             self.check_integrity()
+
+    def wait_for_reads(self, timeout_s: float, wake: Sequence[Any] = ()) -> bool:
+        """If admission held a request for its reads since the last step, block until an I/O
+        result arrives, a ``wake`` socket is readable or ``timeout_s`` passes (for a scheduler
+        with nothing else to run). Returns whether it waited."""
+        if not self.held_for_reads or self.tiers is None:
+            return False
+        self.tiers.wait_for_io(timeout_s, wake)
+        self.held_for_reads = False
+        return True
 
     def observe_queue(self, keys: Sequence[QueuedKey | tuple[Key, Namespace]]) -> Optional[QueueView]:
         """Look ahead over the waiting requests' keys, in queue order (policies that use the queue).

@@ -31,6 +31,7 @@ import sys
 import time
 from collections import deque
 from pathlib import Path
+from typing import Any, Sequence
 
 import zmq
 
@@ -318,11 +319,12 @@ class IOWorkerClient:
         done, self._done = self._done, []
         return done
 
-    def wait(self, timeout_s: float) -> list[JobDone]:
+    def wait(self, timeout_s: float, wake: Sequence[Any] = ()) -> list[JobDone]:
         """Like :meth:`poll`, but block up to ``timeout_s`` seconds for at least one result.
 
         Returns early, possibly with an empty list, if the worker exits meanwhile (then call
-        :meth:`check_alive`).
+        :meth:`check_alive`) or one of the ``wake`` sockets (zmq sockets or file descriptors
+        the caller serves, e.g. the scheduler's request socket) becomes readable.
 
         Returns:
             As :meth:`poll`; empty on timeout.
@@ -337,7 +339,12 @@ class IOWorkerClient:
             poller.register(worker.replies.socket, zmq.POLLIN)
             if worker.exit_fd >= 0:
                 poller.register(worker.exit_fd, zmq.POLLIN)
-            poller.poll(int(left_s * 1000) + 1)
+            for socket in wake:
+                poller.register(socket, zmq.POLLIN)
+            events = dict(poller.poll(int(left_s * 1000) + 1))
+            if any(socket in events for socket in wake):
+                done = self.poll()
+                break
         return done
 
     def in_flight(self) -> set[int]:

@@ -157,7 +157,7 @@ class ReplicaIOClient:
         done, self._done = list(self._done), deque()
         return done
 
-    def wait(self, timeout_s: float) -> list[JobDone]:
+    def wait(self, timeout_s: float, wake: Sequence[Any] = ()) -> list[JobDone]:
         return self.poll()
 
     def check_alive(self) -> bool:

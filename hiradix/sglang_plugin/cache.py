@@ -253,6 +253,10 @@ class TieredRadixCache(BasePrefixCache):
                                      store=self.tiers.store,
                                      overflow=self.overflow.counts if self.overflow is not None else None)
 
+    def wait_for_reads(self, timeout_s: float, wake: list) -> bool:
+        """Block (bounded) on the I/O results when admission held a request for its reads."""
+        return self.core.wait_for_reads(timeout_s, wake)
+
     def note_prefill(self, tokens: int, seconds: float) -> None:
         """An extend batch prefilled ``tokens`` in ``seconds`` (load or recompute's prefill rate)."""
         if self.tiers is not None:

@@ -124,6 +124,13 @@ HOOKS: tuple[HookSpec, ...] = (
         purpose="reap tier transfers and run the look-ahead window every step",
     ),
     HookSpec(
+        target="sglang.srt.managers.scheduler.Scheduler.on_idle",
+        hook="hiradix.sglang_plugin.sched_hooks:after_on_idle",
+        hook_type="after",
+        scope=Scope.SCHEDULER,
+        purpose="block (bounded) on I/O results instead of spinning while requests wait for their reads",
+    ),
+    HookSpec(
         target="sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw",
         hook="hiradix.sglang_plugin.sched_hooks:after_get_new_batch_prefill_raw",
         hook_type="after",

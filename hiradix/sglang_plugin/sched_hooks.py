@@ -13,6 +13,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+# A scheduler with nothing to run but requests held for their NVMe or store reads blocks at most
+# this long per loop iteration on the I/O results (or a new request) instead of spinning.
+HELD_WAIT_S = 0.005
+
 
 def _hiradix_cache(tree_cache: Any):
     from hiradix.sglang_plugin.cache import TieredRadixCache
@@ -31,6 +35,21 @@ def after_process_hicache_events(result: Any, scheduler: Any, *args: Any, **kwar
         # in the running batch hold locks on their prefixes, which is stronger protection.
         chunked = getattr(scheduler, "chunked_req", None)
         cache.observe_queue(([chunked] if chunked is not None else []) + list(scheduler.waiting_queue))
+    return None
+
+
+def after_on_idle(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """Nothing to run: if admission held requests for their reads, wait (bounded) for an I/O
+    result or a new request instead of spinning through the loop. SGLang's own idle sleep is
+    for a fully idle server only; a spinning scheduler takes a core from the I/O worker."""
+    cache = _hiradix_cache(scheduler.tree_cache)
+    if cache is None or not scheduler.running_batch.is_empty():
+        return None
+    import zmq
+
+    wake = [s for s in (getattr(scheduler, "recv_from_tokenizer", None), getattr(scheduler, "recv_from_rpc", None))
+            if isinstance(s, zmq.Socket)]  # fmt: skip
+    cache.wait_for_reads(HELD_WAIT_S, wake)
     return None
 
 

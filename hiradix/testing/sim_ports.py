@@ -296,8 +296,9 @@ class SimIOClient:
             self._start_next(channel, done_s)
         return done
 
-    def wait(self, timeout_s: float) -> list[JobDone]:
-        """Block (advance the virtual clock) until a job completes or ``timeout_s`` passes."""
+    def wait(self, timeout_s: float, wake: Sequence[Any] = ()) -> list[JobDone]:
+        """Block (advance the virtual clock) until a job completes or ``timeout_s`` passes
+        (nothing else wakes a simulation: ``wake`` is ignored)."""
         target = self.clock() + max(timeout_s, 0.0)
         if self._jobs:
             target = min(target, self._jobs[0][0])

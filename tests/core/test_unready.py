@@ -227,3 +227,26 @@ def test_plan_ranks_by_the_key_and_displaces_only_lower_ranked_redundant_copies(
     assert returns.plan(tree, key, free_pages=2, max_pages=16, src=Tier.STORE) == [[nodes["Z"]]]
     # the policy's filter decides what is worth reading at all
     assert returns.plan(tree, key, 2, 16, worth=lambda n: n is not nodes["X"]) == [[nodes["Y"]]]
+
+
+def test_a_scheduler_with_a_request_held_for_its_read_waits_for_the_read_not_in_a_loop():
+    """``wait_for_reads`` (the idle scheduler's bounded wait): nothing to wait for unless
+    admission held a request for its reads since the last step; then it blocks until the read's
+    result arrives (the simulator's clock jumps to it), and the next step lands it."""
+    s = SimServer()
+    node = s.serve(keys(1))
+    s.at(0.0)
+    s.drop_hbm()
+    s.at(2.0)  # stored to NVMe (1 s per page)
+    s.tiers.placement.make_room(Tier.DRAM, s.tiers.books.dram.capacity)  # NVMe only now
+    assert node.tiers() == [Tier.NVME]
+    assert not s.cache.wait_for_reads(1.0)  # nobody held: no wait, the clock stays
+    assert s.clock() == 2.0
+    s.cache.match(keys(1))  # admission starts the read (0.5 s per page: lands at 3.0)
+    assert s.cache.should_wait(keys(1)) and s.cache.held_for_reads
+    assert s.cache.wait_for_reads(5.0)  # blocks until the result: t = 3.0, not 5.0
+    assert s.clock() == 3.0 and not s.cache.held_for_reads
+    assert not node.in_tier(Tier.DRAM)  # recorded, applied at the next step
+    s.at(3.0)
+    assert node.in_tier(Tier.DRAM) and not s.cache.should_wait(keys(1))
+    assert not s.cache.wait_for_reads(1.0) and s.clock() == 3.0

@@ -13,6 +13,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgspec
@@ -381,3 +382,30 @@ def test_worker_exits_when_its_parent_dies(spec):
         parent.stdout.close()
         if worker_pid is not None and psutil.pid_exists(worker_pid) and not wait_exit(worker_pid, 0):
             os.kill(worker_pid, signal.SIGKILL)  # the worker this test started, by pid
+
+
+def test_wait_returns_when_a_wake_socket_is_readable(make_client):
+    """The scheduler waits on the I/O results and on its own request socket: a request arriving
+    ends the wait at once, with no result; a result ends it too, whatever the timeout."""
+    client = make_client(faults="load_delay_s=600")  # the read parks: no result for 10 min
+    client.submit(LoadPages(job_id=1, nvme_slots=[0], dram_pages=[0]))
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push.connect(f"tcp://127.0.0.1:{port}")
+        start = time.monotonic()
+        assert client.wait(0.2, wake=[pull]) == []  # nothing: the timeout
+        assert time.monotonic() - start >= 0.2
+        push.send(b"request")
+        start = time.monotonic()
+        assert client.wait(WAIT_S, wake=[pull]) == []  # the request: at once
+        assert time.monotonic() - start < WAIT_S / 2
+        client.submit(StorePages(job_id=2, dram_pages=[1], nvme_slots=[1]))  # not delayed: lands
+        pull.recv()  # served: no longer readable
+        done = client.wait(WAIT_S, wake=[pull])
+        assert [d.job_id for d in done] == [2] and done[0].ok == [True]
+    finally:
+        pull.close(0)
+        push.close(0)
+        ctx.term()
