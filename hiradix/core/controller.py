@@ -38,7 +38,7 @@ from hiradix.core.outcomes import outcome_of
 from hiradix.core.plan import TierPlan
 from hiradix.core.ports import ABORTED, OK, HostMover, IOClient, NvmeJournal, RankAgreement, SingleRank, StepVotes
 from hiradix.core.read_waits import ReadWaits
-from hiradix.core.stats import TierStats
+from hiradix.core.stats import TierStats, occupancy_line
 from hiradix.core.store_link import StoreLink
 from hiradix.core.store_reads import StoreReadChoice
 from hiradix.core.store_tier import StoreTier
@@ -304,16 +304,7 @@ class TierController:
 
     def summary(self) -> str:
         """One line of tier occupancy and counters, for logs."""
-        b = self.books
-        nvme = f"{b.nvme.num_used}/{b.nvme.capacity}" if b.nvme is not None else "off"
-        inflight = {k.name: len(b.in_flight(k)) for k in Kind}
-        store = "off" if self.store is None else ("on" if self.store.enabled else f"off ({self.store.off_reason})")
-        return (
-            f"tokens per tier HBM/DRAM/NVMe={self.tree.tier_tokens[:3]} DRAM pages={b.dram.num_used}/{b.dram.capacity} "
-            f"NVMe slots={nvme} store={store} store tokens={self.tree.tier_tokens[Tier.STORE]} in-flight={inflight} "
-            f"dropped tokens={b.dropped_tokens[:3]} failed={self.stats.transfers_failed} "
-            f"deferred backups={self.deferred_backups.deferred_nodes} (opened later {self.deferred_backups.opened_nodes})"
-        )
+        return occupancy_line(self.tree.tier_tokens, self.books, self.stats, self.store, self.deferred_backups)
 
     def _apply_results_now(self, results: list) -> None:
         """Single rank only: apply I/O results now (no agreement needed)."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
 
-from hiradix.core.ledger import Kind
+from hiradix.core.ledger import Kind, TierBooks
+from hiradix.core.node import Tier
 
 PREFETCH_OUTCOMES = ("started", "completed", "failed", "used", "wasted")
 STORAGE_HIT_READS = ("ahead", "at_admission")
@@ -58,3 +60,18 @@ class TierStats:
         self.store_tokens["used"] += read_from_store
         self.storage_hit_tokens["ahead"] += read_from_nvme - waited_from_nvme
         self.storage_hit_tokens["at_admission"] += waited_from_nvme
+
+
+def occupancy_line(tier_tokens: Sequence[int], books: TierBooks, stats: TierStats, store: Optional[Any],
+                   deferred: Any) -> str:
+    """One log line of tier occupancy and counters (``store``: the store tier or None;
+    ``deferred``: the deferred backups)."""
+    nvme = f"{books.nvme.num_used}/{books.nvme.capacity}" if books.nvme is not None else "off"
+    inflight = {k.name: len(books.in_flight(k)) for k in Kind}
+    store_state = "off" if store is None else ("on" if store.enabled else f"off ({store.off_reason})")
+    return (
+        f"tokens per tier HBM/DRAM/NVMe={list(tier_tokens[:3])} DRAM pages={books.dram.num_used}/{books.dram.capacity} "
+        f"NVMe slots={nvme} store={store_state} store tokens={tier_tokens[Tier.STORE]} in-flight={inflight} "
+        f"dropped tokens={books.dropped_tokens[:3]} failed={stats.transfers_failed} "
+        f"deferred backups={deferred.deferred_nodes} (opened later {deferred.opened_nodes})"
+    )
