@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from hiradix.core.lookahead import QueueView
     from hiradix.core.node import Tier, TreeNode
 
+MAX_LOWERED = 4096  # nodes with a lowered key listed between evictions; beyond: re-rank all
+
 
 class EvictionPolicy:
     """Ranks eviction candidates of one tier; the smallest key goes first.
@@ -47,6 +49,9 @@ class EvictionPolicy:
         reads_ahead: read the nodes this policy ranks above DRAM's into DRAM ahead of any request.
         clock_per_process: its order depends on ages read from this process's clock, so TP ranks
             (each its own process) could evict differently: the plugin refuses it with TP > 1.
+        keys_grow: a node's key only grows (a touch, a protection), except for the nodes
+            :meth:`take_lowered` returns: the tree then keeps its HBM candidates in a heap between
+            evictions (:mod:`hiradix.core.victim_heap`) instead of ranking all of them each time.
     """
 
     name: str = ""
@@ -54,6 +59,7 @@ class EvictionPolicy:
     uses_history: bool = False
     reads_ahead: bool = False
     clock_per_process: bool = False
+    keys_grow: bool = False
 
     def priority(self, node: TreeNode, tier: Tier) -> tuple:
         """Sort key of ``node`` as an eviction candidate in ``tier`` (smaller = evict sooner)."""
@@ -61,6 +67,11 @@ class EvictionPolicy:
 
     def observe_queue(self, view: QueueView) -> None:
         """What the look-ahead window saw this step (called only when ``uses_queue``)."""
+
+    def take_lowered(self) -> Optional[list[TreeNode]]:
+        """The nodes whose key went down since the last call (only when ``keys_grow``), and
+        forget them; None when there were too many to list (the caller re-ranks everything)."""
+        return []
 
     def observe_insert(self, path: Sequence[TreeNode], reused_tokens: Optional[int], now_s: float) -> None:
         """A request's KV was inserted (called only when ``uses_history``).
@@ -91,6 +102,7 @@ class LRUPolicy(EvictionPolicy):
     """Least recently used first, as stock RadixAttention does (kept for A/B)."""
 
     name = "lru"
+    keys_grow = True  # (last access, id): a touch only makes a node more recent
 
     def priority(self, node: TreeNode, tier: Tier) -> tuple:
         return (node.last_access_s, node.id)
@@ -110,13 +122,31 @@ class LookaheadPolicy(EvictionPolicy):
 
     name = "lookahead"
     uses_queue = True
+    keys_grow = True  # protection raises a key; a request leaving the window lowers it: reported
 
     def __init__(self) -> None:
         self.needed_at: dict[int, int] = {}
+        self._needed_nodes: dict[int, TreeNode] = {}  # the nodes of needed_at
+        self._lowered: Optional[list[TreeNode]] = []  # keys gone down since take_lowered; None: too many
 
     def observe_queue(self, view: QueueView) -> None:
-        """Take this step's look-ahead view (node id -> earliest queue position)."""
+        """Take this step's look-ahead view (node id -> earliest queue position); the nodes that
+        lost their protection or moved back in the queue have a lower key now."""
+        old, old_nodes = self.needed_at, self._needed_nodes
         self.needed_at = view.needed_at
+        self._needed_nodes = {n.id: n for m in view.matches for n in m.nodes if n.id in view.needed_at}
+        if self._lowered is None:
+            return
+        for node_id, pos in old.items():
+            new_pos = view.needed_at.get(node_id)
+            if (new_pos is None or new_pos > pos) and node_id in old_nodes:
+                self._lowered.append(old_nodes[node_id])
+        if len(self._lowered) > MAX_LOWERED:
+            self._lowered = None
+
+    def take_lowered(self) -> Optional[list[TreeNode]]:
+        lowered, self._lowered = self._lowered, []
+        return lowered
 
     def priority(self, node: TreeNode, tier: Tier) -> tuple:
         pos = self.needed_at.get(node.id)

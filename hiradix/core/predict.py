@@ -190,6 +190,7 @@ class PredictivePolicy(LookaheadPolicy):
     uses_history = True
     reads_ahead = True
     clock_per_process = True  # ages in seconds of this process's clock (not agreed across TP ranks)
+    keys_grow = False  # a density changes with age: every eviction ranks all candidates again
 
     def __init__(self, half_life_s: float = 600.0, update_s: float = 10.0, by_turn: bool = True,
                  by_size: bool = True):

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from hiradix.core.node import NUM_TIERS, IntegrityError, Tier, TreeMatch, TreeNode
 from hiradix.core.page_index import PageContentIndex
 from hiradix.core.policy import EvictionPolicy, LRUPolicy
+from hiradix.core.victim_heap import VictimHeap
 
 __all__ = ["IntegrityError", "Tier", "TieredRadixTree", "TreeMatch", "TreeNode"]
 
@@ -79,6 +80,7 @@ class TieredRadixTree:
         self.tier_tokens = [0] * NUM_TIERS  # tokens held per tier
         self._candidates: list[set[TreeNode]] = [set() for _ in Tier]  # eviction candidates per tier
         self._sole: list[set[TreeNode]] = [set() for _ in Tier]  # nodes whose last copy that tier holds (TreeNode.sole_tier)
+        self._hbm_heap: Optional[VictimHeap] = None  # HBM candidates kept in order (policies whose keys grow)
         if self.page_index is not None:
             self.page_index = PageContentIndex(self.page_size)
 
@@ -426,6 +428,9 @@ class TieredRadixTree:
         The caller detaches (or backs up) each yielded node before asking for the next; a
         parent that becomes a candidate meanwhile is yielded in its turn.
         """
+        if tier == Tier.HBM and self.policy.keys_grow:
+            yield from self._hbm_victims().walk()
+            return
         key = self.policy.priority
         cands = self._candidates[tier]
         heap = [(key(n, tier), n.id, n) for n in cands]
@@ -481,6 +486,21 @@ class TieredRadixTree:
                 heapq.heappush(heap, (key(parent, tier), parent.id, parent))
         return chosen
 
+    def _hbm_victims(self) -> VictimHeap:
+        """The kept heap of HBM candidates, with the nodes whose key went down since re-keyed
+        (built anew for a new policy, or when the policy lost count of them)."""
+        heap = self._hbm_heap
+        if heap is None or heap.key != self.policy.priority:
+            heap = self._hbm_heap = VictimHeap(Tier.HBM, self._candidates[Tier.HBM], self.policy.priority)
+            self.policy.take_lowered()  # the new heap has every current key
+            return heap
+        lowered = self.policy.take_lowered()
+        if lowered is None:
+            heap.rebuild()
+        else:
+            heap.rekey(lowered)
+        return heap
+
     # ------------------------------------------------------------ candidates
     def _refresh_around(self, node: TreeNode) -> None:
         self._refresh(node)
@@ -493,6 +513,8 @@ class TieredRadixTree:
         sole = node.sole_tier()
         for tier in Tier:
             if self._is_candidate(node, tier):
+                if tier == Tier.HBM and self._hbm_heap is not None and node not in self._candidates[tier]:
+                    self._hbm_heap.joined(node)
                 self._candidates[tier].add(node)
             else:
                 self._candidates[tier].discard(node)
