@@ -109,32 +109,17 @@ class TieredPrefixCache:
         dram = [n for n in m.nodes if n.in_tier(Tier.DRAM)] if m.nvme_len or m.store_len else []
         self.tiers.books.hold(dram, Tier.DRAM)
         try:
-            if m.nvme_len and (nodes := self._readable(m, Tier.NVME)):
-                self.tiers.prefetch(nodes, self.load_timeout_s, ahead=ahead)
+            if m.nvme_len:
+                self.tiers.prefetch(m.stage(Tier.NVME), self.load_timeout_s, ahead=ahead)
             self._start_store_reads(m, tokens, namespace, ahead)
         finally:
             self.tiers.books.release(dram, Tier.DRAM)
 
     def _start_store_reads(self, m: TreeMatch, tokens: Key, namespace: Namespace, ahead: bool) -> None:
-        if m.store_len and self.tiers.store_read_worth(m.store_len) and (nodes := self._readable(m, Tier.STORE)):
-            self.tiers.prefetch(nodes, self.load_timeout_s, ahead=ahead, src=Tier.STORE)  # (else: recomputed)
+        if m.store_len and self.tiers.store_read_worth(m.store_len):  # else: recomputed (load or recompute)
+            self.tiers.prefetch(m.stage(Tier.STORE), self.load_timeout_s, ahead=ahead, src=Tier.STORE)
         if m.matched_len == m.cached_len:  # the tree knows nothing more: ask the store what follows
             self.tiers.lookup(m, tokens, namespace, self.load_timeout_s, ahead=ahead)
-
-    def _readable(self, m: TreeMatch, tier: Tier) -> list[TreeNode]:
-        """The leading nodes of the match's part in ``tier`` (NVMe or the store) that DRAM can
-        hold beside the request's other DRAM-bound parts: a read lands whole in DRAM before its
-        promotion, so a part larger than DRAM would never start (the request would wait its
-        whole timeout, then recompute everything). What does not fit is recomputed."""
-        ps = self.tree.page_size
-        room = self.tiers.books.dram.capacity - (m.dram_len + (m.nvme_len if tier == Tier.STORE else 0)) // ps
-        out, pages = [], 0
-        for node in m.stage(tier):
-            pages += node.num_tokens // ps
-            if pages > room:
-                break
-            out.append(node)
-        return out
 
     def should_wait(self, tokens: Key | QueuedKey, namespace: Namespace = None) -> bool:
         """Whether admission should skip this request for now, because part of its prefix is on
@@ -155,7 +140,7 @@ class TieredPrefixCache:
         wait = False
         for tier in (Tier.NVME, Tier.STORE):
             if m.length(tier) and (tier == Tier.NVME or tiers.store_read_worth(m.length(tier))):
-                stage = self._readable(m, tier)
+                stage = m.stage(tier)
                 wait |= tiers.waits.any_pending(stage, self.load_timeout_s) or tiers.waits.unread_pending(stage, self.load_timeout_s)
         wait |= tiers.lookup_pending(m, tokens, namespace, self.load_timeout_s)
         tiers.stats.admission_skips += wait

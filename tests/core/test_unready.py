@@ -250,29 +250,3 @@ def test_a_scheduler_with_a_request_held_for_its_read_waits_for_the_read_not_in_
     s.at(3.0)
     assert node.in_tier(Tier.DRAM) and not s.cache.should_wait(keys(1))
     assert not s.cache.wait_for_reads(1.0) and s.clock() == 3.0
-
-
-def test_a_part_larger_than_dram_is_read_as_far_as_dram_holds_and_the_rest_is_not_waited_for():
-    """DRAM holds 4 pages; a history of two turns (3 + 3 pages) lives on NVMe only. A read
-    lands whole in DRAM before its promotion, so all 6 pages could never be read at once: the
-    request used to wait its whole timeout for a read that never started, then recompute all
-    6 pages. Now the first turn's 3 pages are read and waited for; the rest is recomputed."""
-    s = SimServer(dram_pages=4)
-    first, whole = keys(1, pages=3), keys(1, pages=3) + [900 + i for i in range(3 * PS)]
-    for turn, t_s in ((first, 0.0), (whole, 10.0)):  # each turn's pages pass through DRAM to NVMe
-        s.clock.advance_to(t_s)
-        s.compute(turn)
-        s.at(t_s)  # the new node's backup lands in DRAM
-        s.drop_hbm()
-        s.at(t_s + 5.0)  # stored to NVMe (1 s per page)
-        s.tiers.placement.make_room(Tier.DRAM, s.tiers.books.dram.capacity)
-    m = s.tree.match(whole, split=False, touch=False)
-    assert (m.hbm_len, m.dram_len, m.nvme_len) == (0, 0, 6 * PS)
-    s.clock.advance_to(15.0)
-    m = s.cache.match(whole)  # admission: the first node's read starts (3 pages fit), not the second's
-    assert [op.nodes for op in s.tiers.books.in_flight(Kind.PREFETCH)] == [[m.nodes[0]]]
-    assert s.cache.should_wait(whole)  # for the part being read
-    s.at(16.5)  # landed (0.5 s per page)
-    assert not s.cache.should_wait(whole)  # nothing left that DRAM could hold: admitted now
-    m = s.tree.match(whole, split=False, touch=False)
-    assert (m.dram_len, m.nvme_len) == (3 * PS, 3 * PS)
