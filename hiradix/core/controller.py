@@ -244,7 +244,7 @@ class TierController:
             alive = self.client.check_alive()
             self._record_results(self.client.poll())
         lookups = self.store.lookups if self.store is not None else {}
-        pending = sorted(self.books.pending_ids() + list(lookups) + list(self.waits.unread))
+        pending = sorted(self.books.pending_ids() + list(lookups) + self.waits.pseudo_ops())
         expired_here = self.waits.expired_here(now)
         expired_here |= self.stop.expired_here(self.books)  # a stop asked for here: agreed by every rank
         known = set(pending)

@@ -32,6 +32,7 @@ class QueuedKey:
     namespace: Optional[tuple] = None
     nodes: tuple = ()
     matched_len: int = -1
+    wait_op: Optional[int] = None  # pseudo op id bounding this request's whole wait (ReadWaits.request_pending)
 
 
 def peek(tree: TieredRadixTree, key: QueuedKey) -> TreeMatch:

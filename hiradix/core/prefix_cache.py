@@ -134,7 +134,8 @@ class TieredPrefixCache:
         lower = self.tree.tier_tokens[Tier.NVME] or self.tree.tier_tokens[Tier.STORE]
         if not (lower or tiers.books.in_flight() or (tiers.store is not None and tiers.store.lookups)):
             return False
-        key = tokens if isinstance(tokens, QueuedKey) else QueuedKey(tokens, namespace)
+        per_request = isinstance(tokens, QueuedKey)  # the request's own key: its whole wait is bounded
+        key = tokens if per_request else QueuedKey(tokens, namespace)
         tokens, namespace = key.tokens, key.namespace
         m = peek(self.tree, key)
         wait = False
@@ -143,6 +144,8 @@ class TieredPrefixCache:
                 stage = m.stage(tier)
                 wait |= tiers.waits.any_pending(stage, self.load_timeout_s) or tiers.waits.unread_pending(stage, self.load_timeout_s)
         wait |= tiers.lookup_pending(m, tokens, namespace, self.load_timeout_s)
+        if wait and per_request:  # however often its reads restart (ReadWaits.request_pending)
+            wait = tiers.waits.request_pending(key, self.load_timeout_s)
         tiers.stats.admission_skips += wait
         self.held_for_reads |= wait
         return wait

@@ -9,7 +9,10 @@ that brings that part into DRAM (or for the store lookup that finds it), up to i
   admission (:meth:`ReadWaits.waiting_on` starts it then);
 * a part no read covers yet (the read found no DRAM room; each admission attempt tries again)
   gets a pseudo op id from the ledger so its deadline is agreed like a transfer's
-  (:meth:`ReadWaits.unread_pending`).
+  (:meth:`ReadWaits.unread_pending`);
+* a request's whole wait is bounded too, by one more pseudo op per held request (kept on its
+  :class:`~hiradix.core.lookahead.QueuedKey`, :meth:`ReadWaits.request_pending`): its reads may
+  restart (another request's read dropped what had landed), each with a deadline of its own.
 
 Deadlines are judged once per step on each rank (:meth:`ReadWaits.expired_here`) and the TP
 ranks agree on which passed (:meth:`ReadWaits.note_expired`); an admission stops waiting for an
@@ -18,9 +21,12 @@ op once its expiry is agreed, so every rank admits the request in the same step.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from hiradix.core.node import Tier, TreeNode
+
+if TYPE_CHECKING:
+    from hiradix.core.lookahead import QueuedKey
 
 UNREAD_KEEP_STEPS = 64  # steps an expired wait for an unread prefix is remembered (not waited again)
 
@@ -42,6 +48,9 @@ class ReadWaits:
         # [node, step its expiry was agreed].
         self._unread_ops: dict[int, int] = {}
         self.unread: dict[int, list] = {}
+        # Requests held at admission: pseudo op id -> step its expiry was agreed (None: not yet).
+        # A request's whole wait is bounded by one deadline, however often its reads restart.
+        self.requests: dict[int, Optional[int]] = {}
         self._steps = 0  # calls of settle(), equal on every rank
 
     def start(self, op_id: int, timeout_s: float, waits_now: bool, deadline_s: Optional[float] = None) -> None:
@@ -83,6 +92,23 @@ class ReadWaits:
             self.deadline_s[op_id] = self.clock() + timeout_s
         return self.waiting_on(op_id, timeout_s)
 
+    def request_pending(self, key: QueuedKey, timeout_s: float) -> bool:
+        """A request (its :class:`QueuedKey`, kept on the request) is held again: True until its
+        own deadline, ``timeout_s`` after it was first held, has expired (agreed by the TP ranks).
+        Bounds the request's whole wait: each read it waits for has a deadline of its own, and
+        when queued requests' reads drop each other's landed DRAM copies, new reads keep
+        starting (a livelock without this bound: tests/core/test_admission_livelock.py)."""
+        op_id = key.wait_op
+        if op_id is None:
+            op_id = key.wait_op = self.new_op_id()
+            self.requests[op_id] = None
+            self.deadline_s[op_id] = self.clock() + timeout_s
+        return op_id in self.deadline_s and op_id not in self.expired
+
+    def pseudo_ops(self) -> list[int]:
+        """Ids of the waits that are not transfers (unread parts, held requests): agreed too."""
+        return list(self.unread) + list(self.requests)
+
     def expired_here(self, now: float) -> set[int]:
         """Op ids whose deadline passed on this rank's clock (to be agreed)."""
         return {op for op, t in self.deadline_s.items() if t is not None and t <= now}
@@ -92,6 +118,12 @@ class ReadWaits:
         being read or gone, or ``UNREAD_KEEP_STEPS`` steps after their expiry. Once per step."""
         self.expired |= expired
         self._steps += 1
+        for op_id, agreed in list(self.requests.items()):
+            if agreed is None and op_id in self.expired:
+                self.requests[op_id] = agreed = self._steps
+            if agreed is not None and self._steps - agreed >= UNREAD_KEEP_STEPS:
+                del self.requests[op_id]
+                self.done(op_id)
         for op_id, entry in list(self.unread.items()):
             node = entry[0]
             if entry[1] is None and op_id in self.expired:
@@ -113,3 +145,4 @@ class ReadWaits:
         self.expired.clear()
         self._unread_ops.clear()
         self.unread.clear()
+        self.requests.clear()
