@@ -206,7 +206,7 @@ class TierController:
 
     def lookup(self, m: TreeMatch, tokens: Any, namespace: Optional[tuple], timeout_s: float, ahead: bool = False) -> bool:
         """Ask the cluster store for the pages after a local match (:meth:`StoreLink.lookup`)."""
-        return self.store_enabled and self.store_link.lookup(m, tokens, namespace, timeout_s, ahead)
+        return self.store_link is not None and self.store_link.lookup(m, tokens, namespace, timeout_s, ahead)
 
     def lookup_pending(self, m: TreeMatch, tokens: Any, namespace: Optional[tuple], timeout_s: float) -> bool:
         """Whether a store lookup for the pages after ``m`` (a peek) is in flight and within its timeout."""

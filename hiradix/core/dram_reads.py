@@ -16,7 +16,7 @@ order (``hiradix.core.ports.READ_*``):
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from hiradix.core import returns
 from hiradix.core.ledger import Kind, TierBooks
@@ -96,7 +96,7 @@ class DramReads:
         self.waits.start(op.op_id, timeout_s, waits_now=not (ahead or background), deadline_s=deadline_s)
         return True
 
-    def read_store(self, nodes: list[TreeNode], deadline_s: Optional[float]) -> Any:
+    def read_store(self, nodes: list[TreeNode], deadline_s: Optional[float]) -> bool:
         """Read what a store lookup found, within its deadline (None: no request waits yet)."""
         return self.start(nodes, 0.0, ahead=deadline_s is None, src=Tier.STORE, deadline_s=deadline_s)
 

@@ -47,7 +47,6 @@ class TierPlan:
     is how long a graceful stop waits for writes in flight.
     """
 
-    page_size: int  # tokens per page
     hbm_page_bytes: int  # one device page, all layers, K and V
     dram: TierSpec
     nvme: Optional[TierSpec] = None
@@ -62,7 +61,7 @@ class TierPlan:
     stop_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
-        assert self.page_size > 0 and self.hbm_page_bytes > 0, self
+        assert self.hbm_page_bytes > 0, self
         assert self.dram.tier == Tier.DRAM, self.dram
         assert self.nvme is None or self.nvme.tier == Tier.NVME, self.nvme
         assert self.store is None or self.store.tier == Tier.STORE, self.store
@@ -89,11 +88,11 @@ class TierPlan:
         return self.dram.reserved_bytes, self.nvme.reserved_bytes if self.nvme is not None else 0
 
     @classmethod
-    def uniform(cls, page_size: int, page_bytes: int, dram_pages: int, nvme_slots: int = 0,
-                store_key_prefix: Optional[str] = None, **policies) -> "TierPlan":
+    def uniform(cls, page_bytes: int, dram_pages: int, nvme_slots: int = 0, store_key_prefix: Optional[str] = None,
+                **policies) -> "TierPlan":
         """A plan whose tiers all hold exact pages of ``page_bytes`` (the simulator, tests);
         ``policies``: the other :class:`TierPlan` fields."""
-        return cls(page_size, page_bytes, TierSpec(Tier.DRAM, dram_pages, page_bytes),
+        return cls(page_bytes, TierSpec(Tier.DRAM, dram_pages, page_bytes),
                    TierSpec(Tier.NVME, nvme_slots, page_bytes) if nvme_slots else None,
                    TierSpec(Tier.STORE, 0, page_bytes, key_prefix=store_key_prefix) if store_key_prefix else None,
                    **policies)

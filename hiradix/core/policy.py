@@ -126,21 +126,20 @@ class LookaheadPolicy(EvictionPolicy):
 
     def __init__(self) -> None:
         self.needed_at: dict[int, int] = {}
-        self._needed_nodes: dict[int, TreeNode] = {}  # the nodes of needed_at
+        self._view: Optional[QueueView] = None  # the last view (its matches hold the needed nodes)
         self._lowered: Optional[list[TreeNode]] = []  # keys gone down since take_lowered; None: too many
 
     def observe_queue(self, view: QueueView) -> None:
-        """Take this step's look-ahead view (node id -> earliest queue position); the nodes that
-        lost their protection or moved back in the queue have a lower key now."""
-        old, old_nodes = self.needed_at, self._needed_nodes
-        self.needed_at = view.needed_at
-        self._needed_nodes = {n.id: n for m in view.matches for n in m.nodes if n.id in view.needed_at}
-        if self._lowered is None:
+        """Take this step's look-ahead view (node id -> earliest queue position); with
+        ``keys_grow``, note the nodes that lost their protection or moved back in the queue (their
+        key went down)."""
+        old, old_view = self.needed_at, self._view
+        self.needed_at, self._view = view.needed_at, view
+        if not self.keys_grow or self._lowered is None or old_view is None:
             return
-        for node_id, pos in old.items():
-            new_pos = view.needed_at.get(node_id)
-            if (new_pos is None or new_pos > pos) and node_id in old_nodes:
-                self._lowered.append(old_nodes[node_id])
+        lowered = {i for i, pos in old.items() if view.needed_at.get(i, pos + 1) > pos}
+        if lowered:
+            self._lowered.extend({n.id: n for m in old_view.matches for n in m.nodes if n.id in lowered}.values())
         if len(self._lowered) > MAX_LOWERED:
             self._lowered = None
 

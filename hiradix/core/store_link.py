@@ -46,9 +46,8 @@ class StoreLink:
     def lookup(self, m: TreeMatch, tokens: Sequence[int], namespace: Optional[tuple], timeout_s: float,
                ahead: bool) -> bool:
         """Ask the store for the pages after a local match; True while that lookup runs. One at
-        admission (``ahead`` False) makes the request wait up to ``timeout_s``."""
-        if not self.store.enabled:
-            return False
+        admission (``ahead`` False) makes the request wait up to ``timeout_s``. None asked while
+        the store is off (:meth:`StoreTier.lookup`)."""
         lookup = self.store.lookup(m, tokens, namespace)
         if lookup is None:
             return False

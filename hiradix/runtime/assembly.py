@@ -52,7 +52,7 @@ def cold_tiers_of(config: Any) -> tuple[str, ...]:
     return () if fmt == "exact" else tuple(getattr(config, "cold_tiers", ()))
 
 
-def _format_in(config: Any, tier: str) -> str:
+def page_format_in(config: Any, tier: str) -> str:
     """The page format of ``tier``: the cold codec's name in a compressed tier, else ``exact``."""
     return config.cold_format if tier in cold_tiers_of(config) else EXACT
 
@@ -111,11 +111,10 @@ def _open_index(nvme_dir: Path, identity: dict, layout: KVLayout, tp_rank: int, 
                 page_size: int, shared: bool = False, config: Any = None) -> tuple[NvmeIndex, list]:
     """The durable index of this rank's NVMe directory (``shared``: the node's one copy) and its
     persisted pages."""
-    fmt = "nvme" in cold_tiers_of(config) and config.cold_format or "exact"
     fingerprint = kv_fingerprint(identity["model_id"], identity["model_dtype"], layout, tp_rank,
                                  identity["tp_size"], slot_bytes_for(tier_page_bytes(config, layout, "nvme")),
                                  attn_dp_size=identity.get("attn_dp_size", 1), shared_host_copy=shared,
-                                 page_format=fmt)
+                                 page_format=page_format_in(config, "nvme"))
     if not (nvme_dir / NVME_FILE_NAME).exists() and (nvme_dir / INDEX_FILE_NAME).exists():
         logger.warning("hiradix: %s has an NVMe index but no slot file; starting empty", nvme_dir)
         (nvme_dir / INDEX_FILE_NAME).unlink()
@@ -239,10 +238,10 @@ def _store_prefix(config: Any, layout: KVLayout, identity: Optional[dict], group
     if identity is None:
         raise ValueError("the cluster store needs the model identity for its keys")
     return store_key_prefix(identity["model_id"], identity["model_dtype"], layout, group_rank, identity["tp_size"],
-                            attn_dp_size=identity.get("attn_dp_size", 1), page_format=_format_in(config, "store"))
+                            attn_dp_size=identity.get("attn_dp_size", 1), page_format=page_format_in(config, "store"))
 
 
-def tier_plan(config: Any, layout: KVLayout, page_size: int, dram: DramPool, nvme_slots: int,
+def tier_plan(config: Any, layout: KVLayout, dram: DramPool, nvme_slots: int,
               key_prefix: Optional[str], owner: bool, store_retry_s: float = STORE_RETRY_S) -> TierPlan:
     """The :class:`~hiradix.core.plan.TierPlan` of one rank, resolved once: each tier's pages,
     page bytes and format, the host bytes this process reserves (0 on a rank that maps the
@@ -250,12 +249,12 @@ def tier_plan(config: Any, layout: KVLayout, page_size: int, dram: DramPool, nvm
     nvme_page_bytes = tier_page_bytes(config, layout, "nvme")
     nvme_reserved = nvme_slots * slot_bytes_for(nvme_page_bytes) if owner else 0
     return TierPlan(
-        page_size=page_size, hbm_page_bytes=layout.page_bytes,
-        dram=TierSpec(Tier.DRAM, dram.num_pages, dram.page_bytes, _format_in(config, "dram"),
+        hbm_page_bytes=layout.page_bytes,
+        dram=TierSpec(Tier.DRAM, dram.num_pages, dram.page_bytes, page_format_in(config, "dram"),
                       reserved_bytes=dram.dram_bytes if owner else 0),
-        nvme=TierSpec(Tier.NVME, nvme_slots, nvme_page_bytes, _format_in(config, "nvme"),
+        nvme=TierSpec(Tier.NVME, nvme_slots, nvme_page_bytes, page_format_in(config, "nvme"),
                       reserved_bytes=nvme_reserved) if nvme_slots else None,
-        store=TierSpec(Tier.STORE, 0, tier_page_bytes(config, layout, "store"), _format_in(config, "store"),
+        store=TierSpec(Tier.STORE, 0, tier_page_bytes(config, layout, "store"), page_format_in(config, "store"),
                        key_prefix=key_prefix) if key_prefix is not None else None,
         write_through=config.write_policy == "write_through", dram_staging=config.dram_mode == "staging",
         store_write_policy=config.store_write_policy, store_read=config.store_read, store_retry_s=store_retry_s,
@@ -330,7 +329,7 @@ def build_tiers(
     journal = IndexJournal(index, tree) if index is not None else None
     if not owner and nvme_slots > 0 and identity is not None:
         journal = ReplicaJournal()  # the owner persists; this rank keeps the same books
-    plan = tier_plan(config, layout, page_size, dram, nvme_slots, key_prefix, owner, store_retry_s)
+    plan = tier_plan(config, layout, dram, nvme_slots, key_prefix, owner, store_retry_s)
     tiers = TierController(tree, books, mover, client, plan, sync=RankSync(tp_group) if multi_rank else None,
                            journal=journal)
     tiers.on_close(dram.close)
@@ -342,7 +341,8 @@ def build_tiers(
     if lock_fd >= 0:
         tiers.on_close(lambda: os.close(lock_fd))
     logger.info("hiradix tiers: DRAM %d pages (%d B each) at %s; NVMe %d slots (%d B pages); cluster store %s%s%s",
-                dram_pages, dram_page_bytes, dram.path, nvme_slots, tier_page_bytes(config, layout, "nvme"),
+                plan.dram.capacity_pages, plan.dram.page_bytes, dram.path, plan.nvme_slots,
+                plan.page_bytes_by_tier[Tier.NVME],
                 f"{config.store_backend} (keys {key_prefix}*)" if key_prefix else "off",
                 "" if not shared else f"; one host copy per node, {'owned' if owner else 'mapped'} by this rank",
                 f"; {config.cold_format} pages in {', '.join(cold_tiers_of(config))}" if cold_tiers_of(config) else "")

@@ -28,7 +28,7 @@ from hiradix.dataplane import layout as kv_layout
 from hiradix.dataplane.layout import KVLayout, device_buffers
 from hiradix.io.client import IOWorkerClient
 from hiradix.persistence.fingerprint import is_store_writer, store_key_prefix
-from hiradix.runtime.assembly import cold_tiers_of, dram_bytes_of, private_shm_dir, start_worker
+from hiradix.runtime.assembly import dram_bytes_of, page_format_in, private_shm_dir, start_worker
 from hiradix.tiers.dram import DramPool, num_pages_for_bytes
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class DecodeOffloader:
         dram = DramPool.create_anonymous(layout, pages)
         prefix = store_key_prefix(identity["model_id"], identity["model_dtype"], layout, group_rank, identity["tp_size"],
                                   attn_dp_size=identity.get("attn_dp_size", 1),
-                                  page_format="store" in cold_tiers_of(config) and config.cold_format or "exact")
+                                  page_format=page_format_in(config, "store"))
         client = None
         if writer:
             client = start_worker(dram, None, 0, shm_dir, io_backend, store_backend=config.store_backend,

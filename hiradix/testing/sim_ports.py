@@ -369,7 +369,7 @@ def simulated_controller(
     if client is None and (nvme_slots > 0 or store is not None):
         client = SimIOClient(clock, read_s_per_page, write_s_per_page, store, store_read_s_per_page,
                              store_write_s_per_page, store_query_s)
-    plan = TierPlan.uniform(tree.page_size, page_bytes, dram_pages, nvme_slots,
+    plan = TierPlan.uniform(page_bytes, dram_pages, nvme_slots,
                             store_key_prefix=store_key_prefix if store is not None else None, write_through=write_through,
                             store_write_policy=store_write_policy, write_selective=write_selective,
                             dram_staging=dram_staging)

@@ -45,7 +45,7 @@ class Server:
         self.restored = restore(self.tree, self.books, pages)
         self.client = SimIOClient(self.clock, read_s_per_page=0.1, write_s_per_page=write_s)
         self.tiers = TierController(self.tree, self.books, SimHostMover(), self.client,
-                                    TierPlan.uniform(PS, 64, DRAM_PAGES, NVME_SLOTS, stop_timeout_s=timeout_s),
+                                    TierPlan.uniform(64, DRAM_PAGES, NVME_SLOTS, stop_timeout_s=timeout_s),
                                     clock=self.clock, sync=sync, journal=IndexJournal(self.index, self.tree))
         self.device = SimDevicePool(HBM_TOKENS, PS)
         self.cache = TieredPrefixCache(self.tree, self.device, self.tiers)

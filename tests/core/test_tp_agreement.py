@@ -47,7 +47,7 @@ class Rank:
         books = TierBooks(self.tree, 8, 64)  # DRAM 8 pages, NVMe 64 slots
         self.client = DyingIOClient(self.clock, IO_S, IO_S, SimStore(), IO_S, IO_S, IO_S)
         self.tiers = TierController(self.tree, books, SimHostMover(), self.client,
-                                    TierPlan.uniform(PS, 64, 8, 64, store_key_prefix=f"rank{rank}/"),
+                                    TierPlan.uniform(64, 8, 64, store_key_prefix=f"rank{rank}/"),
                                     clock=self.clock, sync=ranks.sync(rank))
         self.device = SimDevicePool(48, PS)  # HBM 48 tokens: every few requests evict
         self.cache = TieredPrefixCache(self.tree, self.device, self.tiers, load_timeout_s=TIMEOUT_S)

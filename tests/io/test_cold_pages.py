@@ -171,11 +171,11 @@ def test_the_tier_plan_carries_each_tiers_format_and_bytes():
 
     fp8 = HiRadixConfig.from_flags(cold_format="fp8", cold_tiers="nvme,store")
     dram = SimpleNamespace(num_pages=10, page_bytes=LAYOUT.page_bytes, dram_bytes=10 * LAYOUT.page_bytes)
-    plan = tier_plan(fp8, LAYOUT, 16, dram, nvme_slots=4, key_prefix="fp/", owner=True)
+    plan = tier_plan(fp8, LAYOUT, dram, nvme_slots=4, key_prefix="fp/", owner=True)
     encoded = PageCodec(LAYOUT, "fp8").encoded_bytes
     assert plan.page_bytes_by_tier == (LAYOUT.page_bytes, LAYOUT.page_bytes, encoded, encoded)
     assert (plan.dram.page_format, plan.nvme.page_format, plan.store.page_format) == ("exact", "fp8", "fp8")
     assert plan.reserved_bytes == (10 * LAYOUT.page_bytes, 4 * slot_bytes_for(encoded))
     assert encoded < LAYOUT.page_bytes and plan.store_key_prefix == "fp/"
-    mapped = tier_plan(HiRadixConfig(), LAYOUT, 16, dram, nvme_slots=4, key_prefix=None, owner=False)
+    mapped = tier_plan(HiRadixConfig(), LAYOUT, dram, nvme_slots=4, key_prefix=None, owner=False)
     assert mapped.reserved_bytes == (0, 0) and mapped.store is None and mapped.nvme.page_bytes == LAYOUT.page_bytes

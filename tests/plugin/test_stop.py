@@ -35,7 +35,7 @@ class Cache:
         tree = TieredRadixTree(PS, clock=self.clock)
         self.tiers = TierController(tree, TierBooks(tree, 8, 8), SimHostMover(),
                                     SimIOClient(self.clock, read_s_per_page=0.1, write_s_per_page=1.0),
-                                    TierPlan.uniform(PS, 64, 8, 8, stop_timeout_s=10.0), clock=self.clock)
+                                    TierPlan.uniform(64, 8, 8, stop_timeout_s=10.0), clock=self.clock)
         self.released = False
 
     def release_host_resources(self):

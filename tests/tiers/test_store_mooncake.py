@@ -315,7 +315,10 @@ def test_holder_frozen_get_fails_within_the_transfer_timeout(tmp_path, arena, ma
 def test_pool_full_put_fails_and_what_fit_reads_back(tmp_path):
     big = make_arena(24, seed=3, layout=MIB_PAGES)  # 20 x 1 MiB pages into a 16 MiB segment
     try:
-        with MooncakeCluster(num_holders=1, holder_segment_bytes=16 << 20, log_dir=tmp_path) as c:
+        # No eviction: a PUT that finds the pool full makes the master evict 5% of the objects by
+        # default, possibly one of those that fit (seen: `[EVICT-RESULT] evicted_count=1`).
+        with MooncakeCluster(num_holders=1, holder_segment_bytes=16 << 20, log_dir=tmp_path,
+                             master_args=["--eviction_ratio=0"]) as c:
             with MooncakeStore(c.config()) as backend:
                 backend.register(big.tensor.data_ptr(), big.dram_bytes)
                 keys = [f"full/{i}" for i in range(20)]
