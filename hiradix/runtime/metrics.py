@@ -74,6 +74,8 @@ SERIES: tuple[Series, ...] = (
     Series("sglang:hiradix_protected_nodes", "gauge", "Tree nodes queued requests need (demoted last)"),
     Series("sglang:hiradix_nvme_enabled", "gauge", "1 while the NVMe tier takes copies, 0 when absent or switched off"),
     Series("sglang:hiradix_nvme_restored_pages", "gauge", "NVMe pages re-indexed from the durable index at start"),
+    Series("sglang:hiradix_nvme_durable_pages", "gauge",
+           "NVMe pages the durable index lists now (what a restart would re-index)"),
     Series("sglang:hiradix_store_pages_total", "counter", "Cluster-store pages by operation", "op", STORE_OPS),
     Series("sglang:hiradix_store_used_tokens_total", "counter", "Tokens read from the cluster store and promoted to HBM"),
     Series("sglang:hiradix_store_switch_offs_total", "counter", "Times the cluster store was switched off after failures"),
@@ -187,6 +189,8 @@ class TierMetrics:
             self._set("sglang:hiradix_transfers_in_flight", in_flight.get(kind, 0), kind)
         self._set("sglang:hiradix_nvme_enabled", int(bool(books.nvme_enabled)))
         self._set("sglang:hiradix_nvme_restored_pages", stats.restored_pages)
+        journal = getattr(books, "nvme_journal", None)
+        self._set("sglang:hiradix_nvme_durable_pages", (journal.durable_pages() if journal is not None else None) or 0)
         if view is not None:
             self._set("sglang:hiradix_lookahead_window_requests", view.window)
             self._set("sglang:hiradix_prefetch_window_requests", view.prefetch_window)

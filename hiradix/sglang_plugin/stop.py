@@ -21,7 +21,8 @@ With hiradix's tiers below DRAM and ``--hiradix-stop-timeout-s`` > 0:
   scheduler step (about once a second when idle) the TP ranks agree on it and drain
   (:mod:`hiradix.core.graceful_stop`: writes land or are counted lost, bounded), close the tiers
   (the durable index is synced once) and die of SIGTERM as before; under TP with nothing in
-  flight each rank ends at that step's end. A second SIGTERM ends it at once.
+  flight each rank logs the stop line (no wait) and ends at that step's end. A second SIGTERM
+  ends it at once.
 * I/O worker: SIGTERM does not end it (:mod:`hiradix.io.worker`); its scheduler's Shutdown does.
 * launcher (:func:`around_check_processes`): while it stops on SIGTERM itself and a scheduler
   still runs, a child that died of SIGTERM (the detokenizer) is not a crash; once the schedulers
@@ -85,6 +86,8 @@ class SchedulerStop:
             self.cache.release_host_resources()  # drains, then closes the tiers
         elif not self._asked or writes_in_flight(tiers.books):
             return False
+        else:
+            tiers.drain()  # nothing to wait for: logs what the durable index lists
         self._end(signal.SIGTERM, None)
         return True
 

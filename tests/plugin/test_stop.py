@@ -93,8 +93,11 @@ def test_under_tp_sigterm_without_writes_ends_at_the_step_end_not_in_the_handler
     handler = stop.SchedulerStop(cache)
     os.kill(os.getpid(), signal.SIGTERM)
     assert previous == []  # a peer may be in a collective with this rank: not here
-    cache.tiers.step()
+    tiers = cache.tiers
+    tiers.step()
     assert handler.after_step() and previous == [signal.SIGTERM] and not cache.released
+    report = tiers.stop.report  # the stop line, logged with nothing to wait for
+    assert report is not None and (report.nvme_jobs, report.put_jobs, report.elapsed_s) == (0, 0, 0.0)
 
 
 def test_a_second_sigterm_ends_at_once(previous):

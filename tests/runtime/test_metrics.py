@@ -86,7 +86,8 @@ def test_counters_advance_by_deltas_and_gauges_follow_the_tree():
     stats.admission_skips = 2
     op = types.SimpleNamespace(kind=types.SimpleNamespace(name="PREFETCH"))
     for _ in range(2):  # the same totals twice: counted once
-        m.update(stats, books(wasted_prefetch_tokens=16, dropped_tokens=[0, 16, 0, 0], ops={1: op}), [64, 160, 480, 0], None)
+        m.update(stats, books(wasted_prefetch_tokens=16, dropped_tokens=[0, 16, 0, 0], ops={1: op},
+                              nvme_journal=types.SimpleNamespace(durable_pages=lambda: 29)), [64, 160, 480, 0], None)
     got = samples(registry)
     assert got[("sglang:hiradix_moved_bytes_total", (("kind", "DEMOTE"),))] == 3 * PAGE_BYTES
     assert got[("sglang:hiradix_moved_tokens_total", (("kind", "DEMOTE"),))] == 3 * PAGE_SIZE
@@ -101,6 +102,7 @@ def test_counters_advance_by_deltas_and_gauges_follow_the_tree():
     assert got[("sglang:hiradix_transfers_in_flight", (("kind", "PREFETCH"),))] == 1
     assert got[("sglang:hiradix_transfers_in_flight", (("kind", "DEMOTE"),))] == 0
     assert got[("sglang:hiradix_nvme_enabled", ())] == 1
+    assert got[("sglang:hiradix_nvme_durable_pages", ())] == 29  # a restart would re-index these
     assert got[("sglang:hiradix_store_enabled", ())] == 0  # no store tier
     stats.admission_skips = 5
     store = types.SimpleNamespace(enabled=True, counts={"lookup_pages": 4, "lookup_found_pages": 2, "put_pages": 3,
@@ -115,6 +117,7 @@ def test_counters_advance_by_deltas_and_gauges_follow_the_tree():
     got = samples(registry)
     assert got[("sglang:hiradix_admission_skips_total", ())] == 5
     assert got[("sglang:hiradix_nvme_enabled", ())] == 0
+    assert got[("sglang:hiradix_nvme_durable_pages", ())] == 0  # no durable index
     assert got[("sglang:hiradix_store_pages_total", (("op", "found"),))] == 2
     assert got[("sglang:hiradix_store_pages_total", (("op", "get_failed"),))] == 1
     assert got[("sglang:hiradix_store_pages_total", (("op", "put_retried"),))] == 6
