@@ -41,6 +41,7 @@ WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")
 DRAM_MODES: tuple[str, ...] = ("cache", "staging")
 # MLA under TP: one host copy (DRAM, NVMe) per node, shared by the ranks, or one per rank.
 MLA_HOST_COPIES: tuple[str, ...] = ("node", "rank")
+PARTIAL_PAGE_MODES: tuple[str, ...] = ("on", "off")
 STORE_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")  # see hiradix.core.store_tier
 COLD_FORMATS: tuple[str, ...] = ("exact", "fp8", "int4")  # hiradix.dataplane.kv_codec.FORMATS
 COLD_TIERS: tuple[str, ...] = ("dram", "nvme", "store")  # tiers that may hold compressed pages (top down)
@@ -233,6 +234,11 @@ FLAGS: tuple[FlagSpec, ...] = (
              "attention-TP group on a node, written by its rank 0 and read by every rank ((TP-1)/TP of the host bytes "
              "saved; TP across hosts: one per rank); rank = one per rank.",
              choices=lambda: list(MLA_HOST_COPIES)),
+    FlagSpec("partial_page", "partial_page", str, "on",
+             "With --page-size > 1: on = a finished request's partly filled last page stays in HBM for the next "
+             "request that continues it (the next turn computes only its new tokens, as at page size 1; HBM only, "
+             "evicted first); off = whole pages only, as stock RadixAttention.",
+             choices=lambda: list(PARTIAL_PAGE_MODES)),
 )  # fmt: skip
 FLAG_BY_NAME: dict[str, FlagSpec] = {f.name: f for f in FLAGS}
 FLAG_OF_FIELD: dict[str, str] = {f.field: f.flag for f in FLAGS}  # for error messages
@@ -288,6 +294,8 @@ class HiRadixConfig:
         drop_ratio: Share of the rest a cut drops, in (0, 1]. Flag `--hiradix-drop-ratio`.
         mla_host_copy: MLA under TP: "node" (one host copy the ranks of a node share,
             `hiradix.runtime.shared_host_copy`) or "rank" (one per rank). Flag `--hiradix-mla-host-copy`.
+        partial_page: "on": keep finished requests' partly filled last pages in HBM
+            (`hiradix.core.partial_pages`); "off": whole pages only. Flag `--hiradix-partial-page`.
     """
 
     dram_bytes: int = _default("dram_gb")
@@ -310,6 +318,7 @@ class HiRadixConfig:
     keep_tokens: int = _default("keep_tokens")
     drop_ratio: float = _default("drop_ratio")
     mla_host_copy: str = _default("mla_host_copy")
+    partial_page: str = _default("partial_page")
 
     def __post_init__(self) -> None:
         self._validate()
@@ -370,6 +379,9 @@ class HiRadixConfig:
         if self.mla_host_copy not in MLA_HOST_COPIES:
             raise HiRadixConfigError(
                 f"{flag['mla_host_copy']} must be one of {list(MLA_HOST_COPIES)}, got {self.mla_host_copy!r}")
+        if self.partial_page not in PARTIAL_PAGE_MODES:
+            raise HiRadixConfigError(
+                f"{flag['partial_page']} must be one of {list(PARTIAL_PAGE_MODES)}, got {self.partial_page!r}")
         if self.dram_mode not in DRAM_MODES:
             raise HiRadixConfigError(f"{flag['dram_mode']} must be one of {list(DRAM_MODES)}, got {self.dram_mode!r}")
         if self.dram_mode == "staging" and self.nvme_bytes == 0:
@@ -517,7 +529,7 @@ class HiRadixConfig:
         return (
             f"policy={self.policy}{window}, write_policy={self.write_policy}, "
             f"{dram}, dram_mode={self.dram_mode}, nvme={nvme}, store={store}, "
-            f"load_timeout_s={self.load_timeout_s:g}{overflow}"
+            f"load_timeout_s={self.load_timeout_s:g}, partial_page={self.partial_page}{overflow}"
         )
 
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 from hiradix.core.controller import TierController
 from hiradix.core.lookahead import QueuedKey, QueueView, peek, plan
 from hiradix.core.node import IntegrityError, Tier, TreeMatch, TreeNode
+from hiradix.core.partial_pages import PartialPage, PartialPages, prefix_key
 from hiradix.core.placement import Placement
 from hiradix.core.ports import DevicePool, Slots
 from hiradix.core.tree import TieredRadixTree
@@ -64,6 +65,8 @@ class TieredPrefixCache:
         check_every_step: prove the invariants after every step and eviction (slow; tests).
         on_evict: called with ``(tokens evicted, time.perf_counter() at its start)`` after each
             HBM eviction (SGLang's ``update_eviction_metrics`` takes these).
+        partial_pages: keep finished requests' partly filled last pages in HBM for the next
+            request of the prefix (:mod:`hiradix.core.partial_pages`); needs pages of > 1 token.
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class TieredPrefixCache:
         load_timeout_s: float = 2.0,
         check_every_step: bool = False,
         on_evict: Optional[Callable[[int, float], None]] = None,
+        partial_pages: bool = False,
     ):
         self.tree = tree
         self.device = device
@@ -84,6 +88,7 @@ class TieredPrefixCache:
         self.load_timeout_s = load_timeout_s
         self.check_every_step = check_every_step
         self.on_evict = on_evict
+        self.partial = PartialPages(tree.page_size) if partial_pages and tree.page_size > 1 else None
         self.last_view: Optional[QueueView] = None
         # Admission skipped a request for its reads since the last step: a scheduler with nothing
         # to run may then block on the I/O results (wait_for_reads) instead of spinning.
@@ -206,14 +211,17 @@ class TieredPrefixCache:
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device slots (if evictable); returns tokens freed."""
         started_s = time.perf_counter()
-        if self.tiers is not None:
-            freed = self.tiers.evict_hbm(num_tokens)
-        else:
-            freed = self.placement.evict_hbm(num_tokens)
         evicted = 0
-        for slots in freed:
-            self.device.free(slots)
-            evicted += len(slots)
+        if self.partial is not None and self.partial.num_pages:  # a partial page is worth < 1 page of the tree
+            page_size = self.tree.page_size
+            for slots in self.partial.evict(-(-num_tokens // page_size)):
+                self.device.free(slots)  # the whole page
+                evicted += page_size
+        if num_tokens > evicted:
+            short = num_tokens - evicted
+            for slots in self.tiers.evict_hbm(short) if self.tiers is not None else self.placement.evict_hbm(short):
+                self.device.free(slots)
+                evicted += len(slots)
         if self.on_evict is not None:
             self.on_evict(evicted, started_s)  # SGLang's eviction metrics take perf_counter()
         if self.check_every_step:
@@ -248,6 +256,30 @@ class TieredPrefixCache:
         key_len = len(tokens) - len(tokens) % self.tree.page_size
         return key_len, last
 
+    # ------------------------------------------------------------ partial last pages
+    def match_partial(self, prefix: Key, namespace: Namespace, next_tokens: Key,
+                      claimer: Any) -> tuple[int, Optional[PartialPage]]:
+        """The kept partial page after the whole-page ``prefix`` (all in HBM) that shares the most
+        of ``next_tokens``, claimed for ``claimer`` until the next step; ``(0, None)`` if none."""
+        if self.partial is None or not next_tokens:
+            return 0, None
+        return self.partial.match(prefix_key(namespace, prefix), next_tokens, claimer)
+
+    def take_partial(self, page: PartialPage, claimer: Any, num_tokens: int) -> Slots:
+        """Hand a claimed partial page to its request (the slots of its first ``num_tokens`` rows)."""
+        return self.partial.take(page, claimer, num_tokens)[:num_tokens]
+
+    def keep_partial(self, prefix: Key, namespace: Namespace, tokens: Key, slots: Slots) -> bool:
+        """Keep a released request's last page after the whole-page ``prefix``: ``tokens`` (fewer
+        than a page) in its first rows, ``slots`` the whole page's; False: not kept (the caller
+        frees it as before)."""
+        if self.partial is None:
+            return False
+        kept, replaced = self.partial.keep(prefix_key(namespace, prefix), tokens, slots)
+        for old in replaced:
+            self.device.free(old)
+        return kept
+
     def lock(self, node: TreeNode) -> int:
         """Pin the path to ``node`` in HBM; returns the change of evictable tokens (<= 0)."""
         return self.tree.inc_lock(node)
@@ -262,8 +294,9 @@ class TieredPrefixCache:
 
     @property
     def evictable_tokens(self) -> int:
-        """Unlocked HBM tokens the tree holds (SGLang's ``evictable_size``)."""
-        return self.tree.hbm_evictable_tokens
+        """Unlocked HBM tokens the tree holds, kept partial pages counted whole (SGLang's ``evictable_size``)."""
+        partial = self.partial.num_pages * self.tree.page_size if self.partial is not None else 0
+        return self.tree.hbm_evictable_tokens + partial
 
     @property
     def protected_tokens(self) -> int:
@@ -275,6 +308,8 @@ class TieredPrefixCache:
         """Per scheduler step: reap copies and I/O results, store DRAM-only pages down; with a
         policy that reads ahead, start reads of the prefixes it predicts will return soon."""
         self.held_for_reads = False
+        if self.partial is not None:
+            self.partial.new_step()
         policy = self.tree.policy
         if policy.uses_history:
             policy.observe_step(self.tree.clock())
@@ -327,6 +362,8 @@ class TieredPrefixCache:
         (SGLang's ``flush_cache`` does), so the tree's HBM slots are not freed here."""
         if self.tiers is not None:
             self.tiers.reset()
+        if self.partial is not None:
+            self.partial.reset()
         self.tree.reset()
 
     def check_integrity(self, request_tokens: Optional[int] = None, used_tokens: Optional[int] = None) -> None:
@@ -341,7 +378,7 @@ class TieredPrefixCache:
         """
         (self.tree if self.tiers is None else self.tiers.books).check_integrity()  # books check the tree too
         if used_tokens is not None:
-            held = self.tree.hbm_evictable_tokens + self.tree.hbm_protected_tokens
+            held = self.evictable_tokens + self.tree.hbm_protected_tokens
             if used_tokens != held + (request_tokens or 0):
                 raise IntegrityError(f"HBM: {used_tokens} slots used != tree {held} + requests {request_tokens or 0}")
 

@@ -74,6 +74,8 @@ SERIES: tuple[Series, ...] = (
     Series("sglang:hiradix_protected_nodes", "gauge", "Tree nodes queued requests need (demoted last)"),
     Series("sglang:hiradix_nvme_enabled", "gauge", "1 while the NVMe tier takes copies, 0 when absent or switched off"),
     Series("sglang:hiradix_nvme_restored_pages", "gauge", "NVMe pages re-indexed from the durable index at start"),
+    Series("sglang:hiradix_partial_page_tokens_total", "counter",
+           "Prompt tokens served from a kept partly filled last page (--hiradix-partial-page; not computed again)"),
     Series("sglang:hiradix_nvme_durable_pages", "gauge",
            "NVMe pages the durable index lists now (what a restart would re-index)"),
     Series("sglang:hiradix_store_pages_total", "counter", "Cluster-store pages by operation", "op", STORE_OPS),
@@ -155,17 +157,19 @@ class TierMetrics:
         self._seen[key] = total
 
     def update(self, stats: Any, books: Any, tier_tokens: list[int], view: Optional[Any], store: Optional[Any] = None,
-               overflow: Optional[dict] = None) -> None:
+               overflow: Optional[dict] = None, partial_tokens: int = 0) -> None:
         """Advance counters to the cumulative values in ``stats``/``books``/``store``; set gauges.
 
         Args:
             store: the cluster-store tier (``hiradix.core.store_tier.StoreTier``), or None.
             overflow: cumulative context-overflow counts (``truncated_tokens``, ``shifted_tokens``), or None.
+            partial_tokens: cumulative tokens served from kept partial last pages.
         """
         self._update_store(store, stats)
         overflow = overflow or {}
         self._advance("sglang:hiradix_context_truncated_tokens_total", overflow.get("truncated_tokens", 0))
         self._advance("sglang:hiradix_shifted_tokens_total", overflow.get("shifted_tokens", 0))
+        self._advance("sglang:hiradix_partial_page_tokens_total", partial_tokens)
         for kind, value in stats.bytes_moved.items():  # counted in the model's pages
             pages = value // self.page_bytes
             self._advance("sglang:hiradix_moved_bytes_total", pages * self.tier_page_bytes[LOWER_TIER[kind]], kind)

@@ -114,7 +114,7 @@ class TieredRadixCache(BasePrefixCache):
     """
 
     def __init__(self, params: CacheInitParams, config: HiRadixConfig, kv_pool: Any = None, tp_rank: int = 0,
-                 identity: Optional[dict] = None, counter_factory: Any = None):
+                 identity: Optional[dict] = None, counter_factory: Any = None, partial_pages: bool = False):
         self.disable = False
         self.config = config
         self.req_to_token_pool = params.req_to_token_pool
@@ -137,7 +137,7 @@ class TieredRadixCache(BasePrefixCache):
             self.tree, SGLangDevicePool(self.token_to_kv_pool_allocator, self.device), self.tiers,
             lookahead_window=config.lookahead_window, load_timeout_s=config.load_timeout_s,
             check_every_step=os.environ.get(CHECK_INTEGRITY_ENV, "0") == "1",
-            on_evict=self.update_eviction_metrics,
+            on_evict=self.update_eviction_metrics, partial_pages=partial_pages,
         )
         self.overflow = None  # hiradix.sglang_plugin.overflow.ContextOverflow (--hiradix-context-overflow)
         self.stop_signal = None  # hiradix.sglang_plugin.stop.SchedulerStop (SIGTERM drains the tier writes)
@@ -208,14 +208,45 @@ class TieredRadixCache(BasePrefixCache):
         if self.overflow is not None and params.req is not None:
             self.overflow.reuse(params.req, key.raw_token_ids(), namespace_of(key))  # a cut prompt's kept tail
         m = self.core.match(key.raw_token_ids(), namespace_of(key))
+        partial = self._match_partial(params, key, m)
         return MatchResult(
-            device_prefix_len=m.hbm_len,
+            device_prefix_len=m.hbm_len + partial,
             last_device_node=m.hbm_node,
             last_host_node=m.hbm_node,
             best_match_node=m.dram_node,
             host_hit_length=m.dram_len,
-            full_kv_hit_length=m.hbm_len + m.dram_len,
+            cache_protected_len=m.hbm_len if partial else None,  # the partial page becomes the request's own
+            full_kv_hit_length=m.hbm_len + m.dram_len + partial,
         )
+
+    def _match_partial(self, params: MatchPrefixParams, key: RadixKey, m: Any) -> int:
+        """Tokens of a kept partial last page that continue a match wholly in HBM (claimed for the
+        request until the next step; :meth:`prefix_device_indices` hands the page over)."""
+        req = params.req
+        if req is None:
+            return 0
+        req.hiradix_partial = None
+        if self.core.partial is None or m.hbm_len != m.matched_len:
+            return 0
+        raw = params.key.raw_token_ids()  # honours SGLang's limit: the last token is computed
+        next_tokens = raw[m.hbm_len: m.hbm_len + self.page_size - 1]
+        num, page = self.core.match_partial(key.raw_token_ids()[: m.hbm_len], namespace_of(key), next_tokens, req.rid)
+        if num:
+            req.hiradix_partial = page
+        return num
+
+    def prefix_device_indices(self, req: Req) -> torch.Tensor:
+        """Device slots of ``req``'s matched prefix: the path to its locked match node, then the
+        rows of the kept partial page it matched, which becomes the request's own here (its next
+        tokens fill the page: SGLang's paged allocator continues a prefix's last page)."""
+        path = self.path_device_indices(req.last_node)
+        page, req.hiradix_partial = getattr(req, "hiradix_partial", None), None
+        extra = req.prefix_len - len(path)
+        if extra <= 0:
+            return path[: req.prefix_len]
+        assert page is not None and extra < self.page_size, (req.rid, len(path), req.prefix_len)
+        slots = self.core.take_partial(page, req.rid, extra)
+        return torch.cat([path, slots.to(device=path.device, dtype=path.dtype)])
 
     def should_wait(self, req: Req) -> bool:
         """Whether admission should skip ``req`` for now (its NVMe reads are in flight); reuses the
@@ -251,7 +282,8 @@ class TieredRadixCache(BasePrefixCache):
         if self.tier_metrics is not None and self.tiers is not None:
             self.tier_metrics.update(self.tiers.stats, self.tiers.books, self.tree.tier_tokens, self.core.last_view,
                                      store=self.tiers.store,
-                                     overflow=self.overflow.counts if self.overflow is not None else None)
+                                     overflow=self.overflow.counts if self.overflow is not None else None,
+                                     partial_tokens=self.core.partial.reused_tokens if self.core.partial is not None else 0)
 
     def wait_for_reads(self, timeout_s: float, wake: list) -> bool:
         """Block (bounded) on the I/O results when admission held a request for its reads."""
@@ -307,6 +339,12 @@ class TieredRadixCache(BasePrefixCache):
         if key_len > protected:
             self.req_to_token_pool.write((req.kv.req_pool_idx, slice(protected, key_len)), tree_slots[protected:])
         req.kv.cache_protected_len = key_len
+        if self.core.partial is not None and key_len < len(token_ids) and req.finished():
+            # the partly filled last page stays in HBM for the next request of this prefix
+            first = int(row[key_len])  # the page's row 0: its slots are first .. first + page_size - 1
+            page_slots = torch.arange(first, first + self.page_size, dtype=torch.int64, device=row.device)
+            if self.core.keep_partial(key.raw_token_ids(), namespace_of(key), token_ids[key_len:], page_slots):
+                req.kv.cache_protected_len = len(token_ids)
         new_lock = self.lock(last)
         self.unlock(req.lock)
         req.lock = new_lock
@@ -343,7 +381,8 @@ class TieredRadixCache(BasePrefixCache):
         return self.core.evictable_tokens + self.core.protected_tokens
 
     def all_values_flatten(self) -> torch.Tensor:
-        return self.core.device.concat(self.tree.all_hbm_slots())
+        partial = self.core.partial.all_slots() if self.core.partial is not None else []
+        return self.core.device.concat(list(self.tree.all_hbm_slots()) + partial)
 
     def supports_prefix_sharing(self) -> bool:
         return True
@@ -383,8 +422,12 @@ def create_hiradix_cache(ctx: TreeCacheBuildContext) -> TieredRadixCache:
         identity = {"model_id": model_identity(args.model_path, getattr(args, "revision", None)),
                     "model_dtype": str(ctx.model_config.dtype), "tp_size": ctx.tp_size,
                     "attn_dp_size": int(getattr(args, "attn_dp_size", 1) or 1)}
+    partial_pages = config.partial_page == "on" and ctx.params.page_size > 1
+    if partial_pages and (config.context_overflow != "off" or getattr(ctx.server_args, "disaggregation_mode", "null") != "null"):
+        logger.info("hiradix: --hiradix-partial-page is off with prefill/decode disaggregation and with context overflow")
+        partial_pages = False
     cache = TieredRadixCache(ctx.params, config, kv_pool=kv_pool, tp_rank=ctx.tp_rank, identity=identity,
-                         counter_factory=LayerDoneCounter)
+                             counter_factory=LayerDoneCounter, partial_pages=partial_pages)
     if config.context_overflow != "off":
         from hiradix.sglang_plugin.overflow import ContextOverflow, resolve_mode
 

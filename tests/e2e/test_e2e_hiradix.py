@@ -27,11 +27,13 @@ from tests.helpers.e2e import (
     TURNS,
     WORDS,
     assert_same_outputs,
+    chat,
     metric,
     run_sessions,
     start,
     tier_hits,
     tiered_flags,
+    user_turn,
 )
 
 pytestmark = pytest.mark.e2e
@@ -47,6 +49,29 @@ def test_foundation_sessions_match_stock(hiradix_server, stock_outputs):
     for s in range(5):
         for t in range(1, TURNS):
             assert got[s][t]["cached"] > 0, (s, t, got[s][t])
+
+
+def test_the_next_turn_reuses_the_partial_last_page_as_stock_does_at_page_size_one(hiradix_server, stock_server):
+    """Default ``--hiradix-partial-page on`` at page size 16: the first turn's partly filled last
+    page stays in HBM, so the second turn computes only what stock SGLang at page size 1 (the
+    session's stock server) computes: the same cached tokens, not a multiple of 16, and the same
+    outputs."""
+    got = {}
+    for name, server in (("stock", stock_server), ("hiradix", hiradix_server)):
+        history = [{"role": "user", "content": user_turn(900, 0, WORDS)}]
+        first = chat(server.base_url, history, return_token_ids=True)
+        history += [{"role": "assistant", "content": first["text"]},
+                    {"role": "user", "content": user_turn(900, 1, WORDS)}]
+        got[name] = (first, chat(server.base_url, history, return_token_ids=True))
+    (stock_first, stock_second), (first, second) = got["stock"], got["hiradix"]
+    assert (first["text"], second["text"]) == (stock_first["text"], stock_second["text"])
+    assert second["prompt_ids"] == stock_second["prompt_ids"]
+    # The first turn's KV: its prompt and every answer token but the last (never fed back).
+    kv = first["prompt_ids"] + first["output_ids"][:-1]
+    shared = next((i for i, (a, b) in enumerate(zip(kv, second["prompt_ids"])) if a != b), min(len(kv), len(second["prompt_ids"])))
+    assert second["cached"] == stock_second["cached"] == shared, (second["cached"], stock_second["cached"], shared)
+    assert shared % 16, shared  # this prompt's shared part ends inside a page (else nothing to show)
+    assert metric(hiradix_server.base_url, "sglang:hiradix_partial_page_tokens_total") >= shared % 16
 
 
 def spawned_children(server) -> bool:

@@ -351,7 +351,7 @@ def test_valid_config_is_accepted_by_the_launcher(venv_python, cpu_env, cpu_flag
     assert result.hiradix_lines() == []
     assert (
         "hiradix: enabled (policy=lru, write_policy=write_back, dram_bytes=500000000, dram_mode=cache, "
-        f"nvme={nvme} (250000000 bytes), store=off, load_timeout_s=3, page_size=16)"
+        f"nvme={nvme} (250000000 bytes), store=off, load_timeout_s=3, partial_page=on, page_size=16)"
     ) in result.output
     assert "'radix_cache_backend': 'hiradix'" in result.output
     assert list(nvme.iterdir()) == []  # checking creates nothing
@@ -943,7 +943,8 @@ def test_config_reaches_the_scheduler(hiradix_server):
     output = hiradix_server.log_text()
     summary = (
         "policy=lookahead, lookahead_window=64, write_policy=write_through, "
-        f"dram_bytes=500000000, dram_mode=cache, nvme={nvme} (250000000 bytes), store=off, load_timeout_s=2"
+        f"dram_bytes=500000000, dram_mode=cache, nvme={nvme} (250000000 bytes), store=off, load_timeout_s=2, "
+        "partial_page=on"
     )
     assert f"hiradix: enabled ({summary}, page_size=16)" in output, output[-4000:]
     assert output.count("hiradix: enabled") == 1  # checked once, not again in children

@@ -97,6 +97,7 @@ def test_counters_advance_by_deltas_and_gauges_follow_the_tree():
     assert got[("sglang:hiradix_storage_hit_tokens_total", (("read", "at_admission"),))] == 0
     assert got[("sglang:hiradix_dropped_tokens_total", (("tier", "DRAM"),))] == 16
     assert got[("sglang:hiradix_admission_skips_total", ())] == 2
+    assert got[("sglang:hiradix_partial_page_tokens_total", ())] == 0  # none given
     assert got[("sglang:hiradix_tier_used_tokens", (("tier", "NVMe"),))] == 480
     assert got[("sglang:hiradix_tier_used_bytes", (("tier", "NVMe"),))] == 30 * PAGE_BYTES
     assert got[("sglang:hiradix_transfers_in_flight", (("kind", "PREFETCH"),))] == 1

@@ -1,0 +1,92 @@
+"""Partial last pages (issue 31, item 4): kept at a release, matched and claimed for one step,
+handed over once, replaced by a longer turn, evicted first and least recently used first."""
+
+from __future__ import annotations
+
+import pytest
+
+from hiradix.core.partial_pages import PartialPages, prefix_key
+from hiradix.core.prefix_cache import TieredPrefixCache
+from hiradix.core.tree import TieredRadixTree
+from hiradix.testing.sim_ports import SimDevicePool
+
+PS = 4
+
+
+def test_a_kept_page_is_matched_claimed_for_one_step_and_taken_once():
+    pages = PartialPages(PS)
+    key = prefix_key(None, [1, 2, 3, 4])
+    assert pages.keep(key, [5, 6, 7], "slots-a") == (True, [])
+    assert pages.match(key, [5, 6, 9], "r1") == (2, pages.match(key, [5, 6, 9], "r1")[1])  # 2 tokens shared
+    num, page = pages.match(key, [5, 6, 7], "r1")
+    assert num == 3 and page.claimed_by == "r1"
+    assert pages.match(key, [5, 6, 7], "r2") == (0, None)  # claimed by r1 in this step
+    with pytest.raises(ValueError):
+        pages.take(page, "r2", 3)
+    pages.new_step()
+    assert pages.match(key, [5, 6, 7], "r2")[0] == 3  # the claim lapsed; r2 claims it now
+    assert pages.take(page, "r2", 3) == "slots-a" and pages.num_pages == 0
+    assert (pages.taken, pages.reused_tokens) == (1, 3)
+    assert pages.match(key, [5, 6, 7], "r3") == (0, None)  # handed over: the page is r2's own
+
+
+def test_other_prefixes_and_namespaces_do_not_match():
+    pages = PartialPages(PS)
+    pages.keep(prefix_key(("salt",), [1, 2, 3, 4]), [5], "s")
+    assert pages.match(prefix_key(None, [1, 2, 3, 4]), [5], "r") == (0, None)
+    assert pages.match(prefix_key(("salt",), [1, 2, 3, 9]), [5], "r") == (0, None)
+    assert pages.match(prefix_key(("salt",), [1, 2, 3, 4]), [6], "r") == (0, None)
+    assert pages.match(prefix_key(("salt",), [1, 2, 3, 4]), [5], "r")[0] == 1
+
+
+def test_a_longer_turn_replaces_the_older_page_and_a_shorter_one_is_not_kept():
+    pages = PartialPages(PS)
+    key = prefix_key(None, [1, 2, 3, 4])
+    pages.keep(key, [5], "old")
+    assert pages.keep(key, [5, 6], "new") == (True, ["old"])  # the caller frees the old page
+    assert pages.keep(key, [5], "again") == (False, [])  # as much is kept: the caller frees it
+    assert pages.keep(key, [7, 8], "branch") == (True, [])  # another continuation: kept beside
+    assert pages.num_pages == 2 and sorted(pages.all_slots()) == ["branch", "new"]
+    with pytest.raises(ValueError):
+        pages.keep(key, [1, 2, 3, 4], "whole")  # a whole page belongs in the tree
+
+
+def test_eviction_takes_the_least_recently_used_and_never_a_claimed_page():
+    pages = PartialPages(PS)
+    for i in range(3):
+        pages.keep(prefix_key(None, [i] * PS), [9], f"p{i}")
+    pages.match(prefix_key(None, [0] * PS), [9], "r")  # p0: used last, and claimed
+    assert pages.evict(1) == ["p1"]
+    assert pages.evict(5) == ["p2"]  # p0 is claimed: kept
+    pages.new_step()
+    assert pages.evict(5) == ["p0"] and pages.evicted == 3
+
+
+def test_the_prefix_cache_counts_kept_pages_as_evictable_and_evicts_them_before_the_tree():
+    tree = TieredRadixTree(PS)
+    device = SimDevicePool(64, PS)
+    cache = TieredPrefixCache(tree, device, None, partial_pages=True)
+    slots = device.alloc(8)
+    key_len, last = cache.checkpoint(list(range(8)), None, slots, 0)
+    assert key_len == 8
+    tail = device.alloc(PS)  # the request's last page: 2 tokens written
+    assert cache.keep_partial(list(range(8)), None, [8, 9], tail)
+    assert cache.evictable_tokens == 8 + PS and device.available_size() == 64 - 8 - PS
+    cache.check_integrity(request_tokens=0, used_tokens=64 - device.available_size())
+    num, page = cache.match_partial(list(range(8)), None, [8, 9, 10], claimer="r")
+    assert num == 2 and list(cache.take_partial(page, "r", num)) == tail[:2]  # r's own now
+    device.free(tail)  # r is done with it (at its release, by SGLang)
+    assert cache.evictable_tokens == 8
+    assert cache.keep_partial(list(range(8)), None, [8, 9], device.alloc(PS))  # the next turn's
+    cache.match_partial(list(range(8)), None, [8, 9, 10], claimer="r2")
+    cache.step()  # the claim lapses
+    assert cache.evict(1) == PS and cache.evictable_tokens == 8  # the partial page went first, whole
+    assert cache.match_partial(list(range(8)), None, [8, 9], claimer="r") == (0, None)
+    assert device.available_size() == 64 - 8
+
+
+def test_without_the_option_nothing_is_kept():
+    tree = TieredRadixTree(PS)
+    cache = TieredPrefixCache(tree, SimDevicePool(64, PS), None)
+    assert cache.partial is None and not cache.keep_partial([1, 2, 3, 4], None, [5], [0])
+    assert cache.match_partial([1, 2, 3, 4], None, [5], claimer="r") == (0, None)
