@@ -328,8 +328,9 @@ def targets(runs: Sequence[SystemRun]) -> list[dict]:
         if ideal is not None and "--enable-hiradix" in run.system.server_args:
             mine, best = prefill_tokens(run.records), prefill_tokens(ideal.records)
             rel = mine / best - 1 if best else math.nan
-            out.append({"target": f"{run.system.name} prefill tokens within {TARGET_PREFILL_OF_IDEAL:.0%} of ideal's",
-                        "measured": f"{mine} vs {best} ({rel:+.1%})", "met": abs(rel) <= TARGET_PREFILL_OF_IDEAL})
+            # at most 5% above the ideal's: fewer is better (partial last pages beat the page-16 ideal)
+            out.append({"target": f"{run.system.name} prefill tokens at most {TARGET_PREFILL_OF_IDEAL:.0%} above ideal's",
+                        "measured": f"{mine} vs {best} ({rel:+.1%})", "met": rel <= TARGET_PREFILL_OF_IDEAL})
     return out
 
 

@@ -83,8 +83,9 @@ logger = logging.getLogger("bench.ab.run")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 QUICK_NOTE = ("--quick is a smoke test: the tiny model's requests take a few ms, so TTFT ratios are noise, "
               "and the histories fit in DRAM, so NVMe is not used; run without --quick to see the effect")
-PAGE_NOTE = ("cached tokens are whole pages: hiradix uses --page-size 16 and caches a prompt's full pages "
-             "only (up to 15 tokens fewer than stock's page size 1 per request)")
+PAGE_NOTE = ("hiradix and ideal use --page-size 16; ideal caches whole pages only, hiradix also keeps a request's "
+             "partly filled last page for the next turn (--hiradix-partial-page on, the default), as stock at page "
+             "size 1 does, so it can compute fewer prefill tokens than ideal")
 
 # The device pool is smaller than the histories of the sessions in flight (4 x ~1,500 tokens at
 # the last turn of the full run), so stock RadixAttention has to evict history between turns;

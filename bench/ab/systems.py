@@ -2,8 +2,9 @@
 
 A system is a name plus extra server flags (and, for `ideal`, its own device pool). Built-in
 names (`BUILTIN_SYSTEMS`; the default set is `DEFAULT_SYSTEMS`): `stock` (RadixAttention), `ideal` (stock RadixAttention whose device
-pool holds the run's whole working set: the limit any prefix cache of 16-token pages, hiradix's
-default page size, can reach; its `--max-total-tokens` is `ideal_pool_tokens`), `hicache` (stock SGLang HiCache with its `file`
+pool holds the run's whole working set: the limit any prefix cache of whole 16-token pages, hiradix's
+default page size, can reach; its `--max-total-tokens` is `ideal_pool_tokens`), `ideal-token` (the same at
+page size 1: it also caches a prompt's partly filled last page, as hiradix does by default), `hicache` (stock SGLang HiCache with its `file`
 storage backend), `lru` and `lookahead` (hiradix with that policy), `hiradix` (hiradix
 defaults), `hiradix-fp8` (hiradix defaults with `--hiradix-cold-format fp8`). A built-in name followed by digits is a duplicate (`stock2` = `stock`): the A/A
 control. HiCache and hiradix get the same DRAM size (`with_tier_sizes`).
@@ -39,8 +40,12 @@ BUILTIN_SYSTEMS: dict[str, tuple[str, ...]] = {
     # Stock RadixAttention at hiradix's page size (16: pages are its unit of transfer), so it caches
     # the same whole pages a tiered cache can; its pool is sized to the working set (`ideal_pool_tokens`).
     "ideal": ("--page-size", "16"),
+    # The same at page size 1 (stock's default): it also caches a prompt's partly filled last page,
+    # as hiradix's partial last pages do (--hiradix-partial-page on).
+    "ideal-token": ("--page-size", "1"),
 }  # fmt: skip
 IDEAL = "ideal"
+IDEAL_TOKEN = "ideal-token"  # the ideal at page size 1
 HICACHE = "hicache"  # stock SGLang HiCache: hiradix systems are also compared with it
 # SGLang 0.5.23 leaves this much host RAM free when it sizes HiCache's host pool
 # (HICACHE_HOST_MEMORY_RESERVE_BYTES, mem_cache/pool_host/base.py): with less available, the
@@ -141,9 +146,9 @@ def ideal_pool_tokens(working_set: int, page_tokens: int = 1024) -> int:
 
 
 def with_ideal_pool(systems: Sequence[System], pool_tokens: int) -> list[System]:
-    """Give `ideal` (and its duplicates) a device pool of `pool_tokens` tokens."""
+    """Give `ideal`, `ideal-token` (and their duplicates) a device pool of `pool_tokens` tokens."""
     return [System(s.name, s.server_args, pool_tokens, s.duplicate_of)
-            if IDEAL in (s.name, s.duplicate_of) else s for s in systems]
+            if {IDEAL, IDEAL_TOKEN} & {s.name, s.duplicate_of} else s for s in systems]
 
 
 def token_counter(model_path: Path) -> Callable[[str], int] | None:

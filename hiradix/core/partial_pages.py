@@ -18,8 +18,9 @@ to the next request whose tokens continue that prefix with (some of) the same to
 * :meth:`PartialPages.evict` frees pages under HBM pressure, least recently used first, claimed
   ones last (never: they are about to be taken).
 
-Pure bookkeeping: slots are opaque handles (device slot ids), pages are keyed by their prefix's
-namespace and tokens. One instance per tree, used on the scheduler thread only.
+Pure bookkeeping: slots are opaque handles (device slot ids); a page's prefix is an opaque key
+(the caller's: the namespace and chain hash of the whole-page prefix, so a kept page costs no
+copy of its prefix). One instance per tree, used on the scheduler thread only.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Hashable, Optional, Sequence
 
-PrefixKey = tuple  # (namespace, tokens of the whole-page prefix)
+PrefixKey = Hashable  # the whole-page prefix a page follows (the caller's key)
 
 
 @dataclass(eq=False)
@@ -44,11 +45,6 @@ class PartialPage:
     tokens: tuple
     slots: Any
     claimed_by: Optional[Hashable] = None
-
-
-def prefix_key(namespace: Any, tokens: Sequence[int]) -> PrefixKey:
-    """The key of the whole-page prefix ``tokens`` in ``namespace``."""
-    return (namespace, tuple(tokens))
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:

@@ -21,7 +21,8 @@ from typing import Any, Callable, Optional, Sequence
 from hiradix.core.controller import TierController
 from hiradix.core.lookahead import QueuedKey, QueueView, peek, plan
 from hiradix.core.node import IntegrityError, Tier, TreeMatch, TreeNode
-from hiradix.core.partial_pages import PartialPage, PartialPages, prefix_key
+from hiradix.core.keys import prefix_hash
+from hiradix.core.partial_pages import PartialPage, PartialPages
 from hiradix.core.placement import Placement
 from hiradix.core.ports import DevicePool, Slots
 from hiradix.core.tree import TieredRadixTree
@@ -257,25 +258,29 @@ class TieredPrefixCache:
         return key_len, last
 
     # ------------------------------------------------------------ partial last pages
-    def match_partial(self, prefix: Key, namespace: Namespace, next_tokens: Key,
+    def _partial_key(self, node: TreeNode, namespace: Namespace) -> tuple:
+        """A whole-page prefix, by content: its namespace and chain hash (cached on the nodes)."""
+        return namespace, prefix_hash(self.tree.root, node, self.tree.page_size)
+
+    def match_partial(self, node: TreeNode, namespace: Namespace, next_tokens: Key,
                       claimer: Any) -> tuple[int, Optional[PartialPage]]:
-        """The kept partial page after the whole-page ``prefix`` (all in HBM) that shares the most
+        """The kept partial page after the whole-page prefix ending at ``node`` that shares the most
         of ``next_tokens``, claimed for ``claimer`` until the next step; ``(0, None)`` if none."""
-        if self.partial is None or not next_tokens:
+        if self.partial is None or not next_tokens or not self.partial.num_pages:
             return 0, None
-        return self.partial.match(prefix_key(namespace, prefix), next_tokens, claimer)
+        return self.partial.match(self._partial_key(node, namespace), next_tokens, claimer)
 
     def take_partial(self, page: PartialPage, claimer: Any, num_tokens: int) -> Slots:
         """Hand a claimed partial page to its request (the slots of its first ``num_tokens`` rows)."""
         return self.partial.take(page, claimer, num_tokens)[:num_tokens]
 
-    def keep_partial(self, prefix: Key, namespace: Namespace, tokens: Key, slots: Slots) -> bool:
-        """Keep a released request's last page after the whole-page ``prefix``: ``tokens`` (fewer
-        than a page) in its first rows, ``slots`` the whole page's; False: not kept (the caller
-        frees it as before)."""
+    def keep_partial(self, node: TreeNode, namespace: Namespace, tokens: Key, slots: Slots) -> bool:
+        """Keep a released request's last page after the whole-page prefix ending at ``node``:
+        ``tokens`` (fewer than a page) in its first rows, ``slots`` the whole page's; False: not
+        kept (the caller frees it as before)."""
         if self.partial is None:
             return False
-        kept, replaced = self.partial.keep(prefix_key(namespace, prefix), tokens, slots)
+        kept, replaced = self.partial.keep(self._partial_key(node, namespace), tokens, slots)
         for old in replaced:
             self.device.free(old)
         return kept

@@ -230,7 +230,7 @@ class TieredRadixCache(BasePrefixCache):
             return 0
         raw = params.key.raw_token_ids()  # honours SGLang's limit: the last token is computed
         next_tokens = raw[m.hbm_len: m.hbm_len + self.page_size - 1]
-        num, page = self.core.match_partial(key.raw_token_ids()[: m.hbm_len], namespace_of(key), next_tokens, req.rid)
+        num, page = self.core.match_partial(m.hbm_node, namespace_of(key), next_tokens, req.rid)
         if num:
             req.hiradix_partial = page
         return num
@@ -343,7 +343,7 @@ class TieredRadixCache(BasePrefixCache):
             # the partly filled last page stays in HBM for the next request of this prefix
             first = int(row[key_len])  # the page's row 0: its slots are first .. first + page_size - 1
             page_slots = torch.arange(first, first + self.page_size, dtype=torch.int64, device=row.device)
-            if self.core.keep_partial(key.raw_token_ids(), namespace_of(key), token_ids[key_len:], page_slots):
+            if self.core.keep_partial(last, namespace_of(key), token_ids[key_len:], page_slots):
                 req.kv.cache_protected_len = len(token_ids)
         new_lock = self.lock(last)
         self.unlock(req.lock)

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from hiradix.core.partial_pages import PartialPages, prefix_key
+from hiradix.core.partial_pages import PartialPages
 from hiradix.core.prefix_cache import TieredPrefixCache
 from hiradix.core.tree import TieredRadixTree
 from hiradix.testing.sim_ports import SimDevicePool
 
 PS = 4
+
+
+def prefix_key(namespace, tokens):
+    return namespace, tuple(tokens)  # any hashable key of the prefix (the core's: namespace, chain hash)
 
 
 def test_a_kept_page_is_matched_claimed_for_one_step_and_taken_once():
@@ -66,27 +70,41 @@ def test_the_prefix_cache_counts_kept_pages_as_evictable_and_evicts_them_before_
     tree = TieredRadixTree(PS)
     device = SimDevicePool(64, PS)
     cache = TieredPrefixCache(tree, device, None, partial_pages=True)
-    slots = device.alloc(8)
-    key_len, last = cache.checkpoint(list(range(8)), None, slots, 0)
+    key_len, last = cache.checkpoint(list(range(8)), None, device.alloc(8), 0)
     assert key_len == 8
     tail = device.alloc(PS)  # the request's last page: 2 tokens written
-    assert cache.keep_partial(list(range(8)), None, [8, 9], tail)
+    assert cache.keep_partial(last, None, [8, 9], tail)
     assert cache.evictable_tokens == 8 + PS and device.available_size() == 64 - 8 - PS
     cache.check_integrity(request_tokens=0, used_tokens=64 - device.available_size())
-    num, page = cache.match_partial(list(range(8)), None, [8, 9, 10], claimer="r")
+    m = cache.match(list(range(8)) + [8, 9, 10])  # a next turn: the tree matches whole pages
+    assert m.hbm_len == 8 and cache.match_partial(m.hbm_node, ("salt",), [8, 9, 10], claimer="r") == (0, None)
+    num, page = cache.match_partial(m.hbm_node, None, [8, 9, 10], claimer="r")
     assert num == 2 and list(cache.take_partial(page, "r", num)) == tail[:2]  # r's own now
     device.free(tail)  # r is done with it (at its release, by SGLang)
     assert cache.evictable_tokens == 8
-    assert cache.keep_partial(list(range(8)), None, [8, 9], device.alloc(PS))  # the next turn's
-    cache.match_partial(list(range(8)), None, [8, 9, 10], claimer="r2")
+    assert cache.keep_partial(last, None, [8, 9], device.alloc(PS))  # the next turn's
+    cache.match_partial(m.hbm_node, None, [8, 9, 10], claimer="r2")
     cache.step()  # the claim lapses
     assert cache.evict(1) == PS and cache.evictable_tokens == 8  # the partial page went first, whole
-    assert cache.match_partial(list(range(8)), None, [8, 9], claimer="r") == (0, None)
+    assert cache.match_partial(m.hbm_node, None, [8, 9], claimer="r") == (0, None)
     assert device.available_size() == 64 - 8
+
+
+def test_a_split_prefix_keeps_its_pages_matchable():
+    """Pages are keyed by the prefix's content (chain hash), not by a node: a node split by a
+    diverging request still leads to them."""
+    tree = TieredRadixTree(PS)
+    device = SimDevicePool(64, PS)
+    cache = TieredPrefixCache(tree, device, None, partial_pages=True)
+    _, last = cache.checkpoint(list(range(12)), None, device.alloc(12), 0)
+    assert cache.keep_partial(last, None, [50], device.alloc(PS))
+    cache.checkpoint([0, 1, 2, 3, 4, 5, 6, 7, 90, 91, 92, 93], None, device.alloc(12), 0)  # splits at 8
+    m = cache.match(list(range(12)) + [50, 51])
+    assert m.hbm_len == 12 and cache.match_partial(m.hbm_node, None, [50, 51], claimer="r")[0] == 1
 
 
 def test_without_the_option_nothing_is_kept():
     tree = TieredRadixTree(PS)
     cache = TieredPrefixCache(tree, SimDevicePool(64, PS), None)
-    assert cache.partial is None and not cache.keep_partial([1, 2, 3, 4], None, [5], [0])
-    assert cache.match_partial([1, 2, 3, 4], None, [5], claimer="r") == (0, None)
+    assert cache.partial is None and not cache.keep_partial(tree.root, None, [5], [0, 1, 2, 3])
+    assert cache.match_partial(tree.root, None, [5], claimer="r") == (0, None)
