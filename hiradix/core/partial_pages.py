@@ -15,8 +15,11 @@ to the next request whose tokens continue that prefix with (some of) the same to
   becomes the request's own. The request's next tokens fill its remaining rows (SGLang's paged
   allocator continues the last page of a prefix), so the page is moved, never shared, and no copy
   is needed; at the request's release its whole pages go into the tree as usual.
-* :meth:`PartialPages.evict` frees pages under HBM pressure, least recently used first, claimed
-  ones last (never: they are about to be taken).
+* Under HBM pressure a page goes with the whole-page prefix it follows: once the tree evicted that
+  prefix's last node from HBM, :meth:`PartialPages.evict_orphans` frees the page (the eviction
+  policy's order, queue look-ahead included, holds for partial pages too); :meth:`PartialPages.evict`
+  frees pages least recently used first when the tree has nothing left to evict. A claimed page
+  is never freed (it is about to be taken).
 
 Pure bookkeeping: slots are opaque handles (device slot ids); a page's prefix is an opaque key
 (the caller's: the namespace and chain hash of the whole-page prefix, so a kept page costs no
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Hashable, Optional, Sequence
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 PrefixKey = Hashable  # the whole-page prefix a page follows (the caller's key)
 
@@ -44,6 +47,7 @@ class PartialPage:
     prefix: PrefixKey
     tokens: tuple
     slots: Any
+    owner: Any = None  # the tree node ending the prefix (freed with its HBM copy), or None
     claimed_by: Optional[Hashable] = None
 
 
@@ -80,7 +84,7 @@ class PartialPages:
         """Pages held (each a whole HBM page)."""
         return len(self._lru)
 
-    def keep(self, prefix: PrefixKey, tokens: Sequence[int], slots: Any) -> tuple[bool, list[Any]]:
+    def keep(self, prefix: PrefixKey, tokens: Sequence[int], slots: Any, owner: Any = None) -> tuple[bool, list[Any]]:
         """Keep a released request's last page: ``tokens`` (1 <= k < page_size) in the first rows
         of the page whose slots are ``slots``.
 
@@ -98,7 +102,7 @@ class PartialPages:
         freed = []
         for page in [p for p in pages if tokens[: len(p.tokens)] == p.tokens and p.claimed_by is None]:
             freed.append(self._drop(page))
-        page = PartialPage(prefix, tokens, slots)
+        page = PartialPage(prefix, tokens, slots, owner)
         self._by_prefix.setdefault(prefix, []).append(page)
         self._lru[page] = None
         self.kept += 1
@@ -166,6 +170,16 @@ class PartialPages:
             if page.claimed_by is None:
                 freed.append(self._drop(page))
                 self.evicted += 1
+        return freed
+
+    def evict_orphans(self, resident: Callable[[Any], bool]) -> list[Any]:
+        """Free every unclaimed page whose owner is no longer ``resident`` (its prefix left HBM).
+
+        Returns:
+            Their slots, for the caller to free.
+        """
+        freed = [self._drop(p) for p in list(self._lru) if p.claimed_by is None and not resident(p.owner)]
+        self.evicted += len(freed)
         return freed
 
     def all_slots(self) -> list[Any]:

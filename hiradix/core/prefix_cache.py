@@ -213,21 +213,28 @@ class TieredPrefixCache:
         """Free at least ``num_tokens`` device slots (if evictable); returns tokens freed."""
         started_s = time.perf_counter()
         evicted = 0
-        if self.partial is not None and self.partial.num_pages:  # a partial page is worth < 1 page of the tree
-            page_size = self.tree.page_size
-            for slots in self.partial.evict(-(-num_tokens // page_size)):
-                self.device.free(slots)  # the whole page
-                evicted += page_size
-        if num_tokens > evicted:
-            short = num_tokens - evicted
-            for slots in self.tiers.evict_hbm(short) if self.tiers is not None else self.placement.evict_hbm(short):
-                self.device.free(slots)
-                evicted += len(slots)
+        for slots in self.tiers.evict_hbm(num_tokens) if self.tiers is not None else self.placement.evict_hbm(num_tokens):
+            self.device.free(slots)
+            evicted += len(slots)
+        if self.partial is not None and self.partial.num_pages:
+            evicted += self._evict_partial(num_tokens - evicted, tree_evicted=evicted > 0)
         if self.on_evict is not None:
             self.on_evict(evicted, started_s)  # SGLang's eviction metrics take perf_counter()
         if self.check_every_step:
             self.check_integrity()
         return evicted
+
+    def _evict_partial(self, short_tokens: int, tree_evicted: bool) -> int:
+        """Free the partial pages whose prefix just left HBM, then, if still ``short_tokens``
+        short (the tree had nothing more to evict), the least recently used ones; tokens freed."""
+        page_size, root = self.tree.page_size, self.tree.root
+        freed = self.partial.evict_orphans(lambda n: n is root or (n.alive and n.hbm_slots is not None)) if tree_evicted else []
+        short_tokens -= len(freed) * page_size
+        if short_tokens > 0:
+            freed += self.partial.evict(-(-short_tokens // page_size))
+        for slots in freed:
+            self.device.free(slots)  # the whole page
+        return len(freed) * page_size
 
     # ------------------------------------------------------------ insert / locks
     def checkpoint(self, tokens: Key, namespace: Namespace, slots: Slots, protected_len: int,
@@ -280,7 +287,7 @@ class TieredPrefixCache:
         kept (the caller frees it as before)."""
         if self.partial is None:
             return False
-        kept, replaced = self.partial.keep(self._partial_key(node, namespace), tokens, slots)
+        kept, replaced = self.partial.keep(self._partial_key(node, namespace), tokens, slots, owner=node)
         for old in replaced:
             self.device.free(old)
         return kept

@@ -85,9 +85,31 @@ def test_the_prefix_cache_counts_kept_pages_as_evictable_and_evicts_them_before_
     assert cache.keep_partial(last, None, [8, 9], device.alloc(PS))  # the next turn's
     cache.match_partial(m.hbm_node, None, [8, 9, 10], claimer="r2")
     cache.step()  # the claim lapses
-    assert cache.evict(1) == PS and cache.evictable_tokens == 8  # the partial page went first, whole
-    assert cache.match_partial(m.hbm_node, None, [8, 9], claimer="r") == (0, None)
-    assert device.available_size() == 64 - 8
+    cache.lock(last)  # the tree has nothing to evict: the partial page goes, whole
+    assert cache.evict(1) == PS and cache.evictable_tokens == 0 and device.available_size() == 64 - 8
+    cache.unlock(last)
+    assert cache.keep_partial(last, None, [8, 9], device.alloc(PS))
+    assert cache.evict(1) == 8 + PS  # the prefix left HBM (policy order), its partial page with it
+    assert cache.evictable_tokens == 0 and device.available_size() == 64
+    assert cache.match_partial(last, None, [8, 9], claimer="r") == (0, None)
+
+
+def test_a_partial_page_stays_while_its_prefix_is_in_hbm():
+    """Eviction follows the tree's policy: another prefix, less recently used, goes first, and
+    the partial page after the prefix still in HBM stays."""
+    now = [0.0]
+    tree = TieredRadixTree(PS, clock=lambda: now[0])
+    device = SimDevicePool(64, PS)
+    cache = TieredPrefixCache(tree, device, None, partial_pages=True)
+    cache.checkpoint([7] * 8, None, device.alloc(8), 0)  # an older prefix
+    now[0] = 1.0
+    _, last = cache.checkpoint(list(range(8)), None, device.alloc(8), 0)
+    assert cache.keep_partial(last, None, [8], device.alloc(PS))
+    now[0] = 2.0
+    cache.match(list(range(8)))  # used last
+    assert cache.evict(4) == 8  # the older prefix
+    m = cache.match(list(range(8)) + [8, 9])
+    assert cache.match_partial(m.hbm_node, None, [8, 9], claimer="r")[0] == 1
 
 
 def test_a_split_prefix_keeps_its_pages_matchable():
