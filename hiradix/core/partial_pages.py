@@ -7,7 +7,9 @@ finished request is freed, and the next turn of the conversation computes those 
 to the next request whose tokens continue that prefix with (some of) the same tokens:
 
 * :meth:`PartialPages.keep` at a request's release: the page's first ``k`` rows hold ``tokens``;
-  a kept page whose tokens begin the new ones (an older turn of the same prefix) is replaced.
+  a kept page whose tokens begin the new ones (an older turn of the same prefix) is replaced. The
+  prefix cache also keeps a copy of the leading rows of a page the tree holds, for a request
+  whose tokens diverge inside that page (copy-on-write: the tree's page stays as it is).
 * :meth:`PartialPages.match` at a match: the page sharing the longest run with the request's next
   tokens; it is *claimed* by that request until the scheduler's next step, so no other request of
   this step gets it (the page is about to be written into).
@@ -78,6 +80,7 @@ class PartialPages:
         self.taken = 0  # pages handed to a request, ever
         self.reused_tokens = 0  # their tokens, not computed again
         self.evicted = 0  # pages freed under HBM pressure, ever
+        self.copied = 0  # pages made by copying a tree page's leading rows (the caller counts them)
 
     @property
     def num_pages(self) -> int:

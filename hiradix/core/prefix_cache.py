@@ -28,6 +28,7 @@ from hiradix.core.ports import DevicePool, Slots
 from hiradix.core.tree import TieredRadixTree
 
 Key = Sequence[int]  # token ids
+MAX_CHILDREN_SCANNED = 64  # children of a node a copy-on-write match looks at (a root may have thousands)
 Namespace = Optional[tuple]  # (extra_key, cache_salt) or None
 
 
@@ -68,6 +69,9 @@ class TieredPrefixCache:
             HBM eviction (SGLang's ``update_eviction_metrics`` takes these).
         partial_pages: keep finished requests' partly filled last pages in HBM for the next
             request of the prefix (:mod:`hiradix.core.partial_pages`); needs pages of > 1 token.
+        copy_rows: ``copy_rows(src_slots, dst_slots)`` copies device KV rows (every layer); with
+            it, a request whose next tokens begin a page the tree holds in HBM gets those rows
+            copied into a fresh page of its own (copy-on-write).
     """
 
     def __init__(
@@ -80,6 +84,7 @@ class TieredPrefixCache:
         check_every_step: bool = False,
         on_evict: Optional[Callable[[int, float], None]] = None,
         partial_pages: bool = False,
+        copy_rows: Optional[Callable[[Slots, Slots], None]] = None,
     ):
         self.tree = tree
         self.device = device
@@ -90,6 +95,7 @@ class TieredPrefixCache:
         self.check_every_step = check_every_step
         self.on_evict = on_evict
         self.partial = PartialPages(tree.page_size) if partial_pages and tree.page_size > 1 else None
+        self.copy_rows = copy_rows
         self.last_view: Optional[QueueView] = None
         # Admission skipped a request for its reads since the last step: a scheduler with nothing
         # to run may then block on the I/O results (wait_for_reads) instead of spinning.
@@ -271,11 +277,47 @@ class TieredPrefixCache:
 
     def match_partial(self, node: TreeNode, namespace: Namespace, next_tokens: Key,
                       claimer: Any) -> tuple[int, Optional[PartialPage]]:
-        """The kept partial page after the whole-page prefix ending at ``node`` that shares the most
-        of ``next_tokens``, claimed for ``claimer`` until the next step; ``(0, None)`` if none."""
-        if self.partial is None or not next_tokens or not self.partial.num_pages:
+        """The partial page after the whole-page prefix ending at ``node`` (all in HBM) that shares
+        the most of ``next_tokens``, claimed for ``claimer`` until the next step; ``(0, None)``
+        if none. A kept page (a finished request's last page) is moved to the request; when a
+        page the tree holds in HBM below ``node`` shares more (the conversation diverged inside
+        a whole page), its rows are copied into a fresh page first (copy-on-write; only from
+        free device pages: a match never evicts)."""
+        if self.partial is None or not next_tokens:
             return 0, None
-        return self.partial.match(self._partial_key(node, namespace), next_tokens, claimer)
+        key = self._partial_key(node, namespace)
+        num, page = self.partial.match(key, next_tokens, claimer) if self.partial.num_pages else (0, None)
+        if num < len(next_tokens) and self.copy_rows is not None:
+            child, shared = self._page_below(node, namespace, next_tokens)
+            if shared > num and self.device.available_size() >= self.tree.page_size:
+                slots = self.device.alloc(self.tree.page_size)
+                self.copy_rows(child.hbm_slots[:shared], slots[:shared])
+                kept, replaced = self.partial.keep(key, next_tokens[:shared], slots, owner=node)
+                for old in [] if kept else [slots]:
+                    self.device.free(old)
+                for old in replaced:
+                    self.device.free(old)
+                self.partial.copied += int(kept)
+                num, page = self.partial.match(key, next_tokens, claimer)
+        return num, page
+
+    def _page_below(self, node: TreeNode, namespace: Namespace, next_tokens: Key) -> tuple[Optional[TreeNode], int]:
+        """The child of ``node`` in HBM whose first page shares the most leading tokens with
+        ``next_tokens`` (fewer than a page: else the match would have gone on), and how many."""
+        best, best_len = None, 0
+        for checked, child in enumerate(node.children.values()):
+            if checked >= MAX_CHILDREN_SCANNED:
+                break
+            if child.hbm_slots is None or child.namespace != namespace:
+                continue
+            n = 0
+            for a, b in zip(child.tokens, next_tokens):
+                if a != b:
+                    break
+                n += 1
+            if n > best_len:
+                best, best_len = child, n
+        return best, best_len
 
     def take_partial(self, page: PartialPage, claimer: Any, num_tokens: int) -> Slots:
         """Hand a claimed partial page to its request (the slots of its first ``num_tokens`` rows)."""

@@ -312,3 +312,16 @@ def store_pages_async(k_buffers: Sequence[torch.Tensor], v_buffers: Optional[Seq
                 dram[layer, first : first + length].copy_(staging[layer, index : index + length], non_blocking=True)
                 copies += 1
     return copies
+
+
+def copy_token_rows(kv_pool: object, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Copy the KV rows of device token slots ``src_slots`` to ``dst_slots`` in every layer of
+    SGLang's pool (K and V, or MLA's one latent buffer): a partial page's copy-on-write."""
+    if hasattr(kv_pool, "k_buffer"):
+        buffers = list(kv_pool.k_buffer) + list(kv_pool.v_buffer)
+    else:
+        buffers = list(kv_pool.kv_buffer)
+    src = src_slots.to(device=buffers[0].device, dtype=torch.int64)
+    dst = dst_slots.to(device=buffers[0].device, dtype=torch.int64)
+    for buf in buffers:
+        buf[dst] = buf[src]

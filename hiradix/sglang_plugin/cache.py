@@ -32,6 +32,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from hiradix.core.lookahead import QueuedKey, QueueView
+from hiradix.dataplane.device_copy import copy_token_rows
 from hiradix.core.policy import make_policy
 from hiradix.core.prefix_cache import TieredPrefixCache
 from hiradix.core.store_tier import STORE_RETRY_S
@@ -138,6 +139,7 @@ class TieredRadixCache(BasePrefixCache):
             lookahead_window=config.lookahead_window, load_timeout_s=config.load_timeout_s,
             check_every_step=os.environ.get(CHECK_INTEGRITY_ENV, "0") == "1",
             on_evict=self.update_eviction_metrics, partial_pages=partial_pages,
+            copy_rows=(lambda src, dst: copy_token_rows(kv_pool, src, dst)) if kv_pool is not None else None,
         )
         self.overflow = None  # hiradix.sglang_plugin.overflow.ContextOverflow (--hiradix-context-overflow)
         self.stop_signal = None  # hiradix.sglang_plugin.stop.SchedulerStop (SIGTERM drains the tier writes)

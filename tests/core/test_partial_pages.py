@@ -130,3 +130,27 @@ def test_without_the_option_nothing_is_kept():
     cache = TieredPrefixCache(tree, SimDevicePool(64, PS), None)
     assert cache.partial is None and not cache.keep_partial(tree.root, None, [5], [0, 1, 2, 3])
     assert cache.match_partial(tree.root, None, [5], claimer="r") == (0, None)
+
+
+def test_a_request_diverging_inside_a_tree_page_gets_its_leading_rows_copied_into_a_page_of_its_own():
+    """Copy-on-write: the tree's page stays as it is; the copy is the request's (moved to it at
+    admission), and a match only copies into free device pages."""
+    tree = TieredRadixTree(PS)
+    device = SimDevicePool(32, PS)
+    copies = []
+    cache = TieredPrefixCache(tree, device, None, partial_pages=True,
+                              copy_rows=lambda src, dst: copies.append((list(src), list(dst))))
+    _, last = cache.checkpoint(list(range(12)), None, device.alloc(12), 0)
+    tree_slots = list(cache.path_slots(last))
+    m = cache.match(list(range(8)) + [8, 9, 99, 98])  # diverges inside the third page
+    assert m.hbm_len == 8
+    num, page = cache.match_partial(m.hbm_node, None, [8, 9, 99], claimer="r")
+    assert num == 2 and copies == [(tree_slots[8:10], list(page.slots[:2]))]
+    assert list(cache.path_slots(last)) == tree_slots and device.available_size() == 32 - 12 - PS
+    assert list(cache.take_partial(page, "r", num)) == list(page.slots[:2])
+    assert cache.match_partial(m.hbm_node, None, [8, 9, 99], claimer="r2")[0] == 2  # a new copy for r2
+    assert len(copies) == 2
+    device.alloc(device.available_size())  # the pool is full: a match never evicts to copy
+    cache.step()
+    assert cache.match_partial(m.hbm_node, None, [8, 99], claimer="r3")[0] == 2 - 1  # r2's claimed copy lapsed: kept
+    assert cache.match_partial(m.hbm_node, None, [9], claimer="r4") == (0, None) and len(copies) == 2

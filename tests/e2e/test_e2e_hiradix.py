@@ -74,6 +74,27 @@ def test_the_next_turn_reuses_the_partial_last_page_as_stock_does_at_page_size_o
     assert metric(hiradix_server.base_url, "sglang:hiradix_partial_page_tokens_total") >= shared % 16
 
 
+def test_a_prompt_diverging_inside_a_cached_page_reuses_its_leading_rows_as_stock_does_at_page_size_one(
+        hiradix_server, stock_server):
+    """Copy-on-write of a tree page (default ``--hiradix-partial-page on``): a second prompt that
+    leaves the first one inside a whole page gets that page's leading rows copied into a page of
+    its own; it caches what stock at page size 1 caches, with stock's outputs."""
+    first_text = user_turn(901, 0, WORDS)
+    second_text = first_text.rsplit(" ", 3)[0] + " something else entirely"
+    got = {}
+    for name, server in (("stock", stock_server), ("hiradix", hiradix_server)):
+        a = chat(server.base_url, [{"role": "user", "content": first_text}], return_token_ids=True)
+        b = chat(server.base_url, [{"role": "user", "content": second_text}], return_token_ids=True)
+        got[name] = (a, b)
+    (stock_a, stock_b), (a, b) = got["stock"], got["hiradix"]
+    assert (a["text"], b["text"]) == (stock_a["text"], stock_b["text"])
+    shared = next(i for i, (x, y) in enumerate(zip(a["prompt_ids"], b["prompt_ids"])) if x != y)
+    assert shared < len(a["prompt_ids"]) // 16 * 16 and shared % 16, shared  # inside a whole page of the first
+    reused = metric(hiradix_server.base_url, "sglang:hiradix_partial_page_tokens_total")
+    assert b["cached"] == stock_b["cached"] == shared, (b["cached"], stock_b["cached"], shared)
+    assert reused >= shared % 16
+
+
 def spawned_children(server) -> bool:
     """Whether the server's launcher started its processes with multiprocessing's ``spawn``: only
     ``spawn`` (and ``forkserver``) start a ``multiprocessing.resource_tracker`` child; ``fork`` does not."""
