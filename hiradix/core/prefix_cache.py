@@ -22,6 +22,7 @@ from hiradix.core.controller import TierController
 from hiradix.core.lookahead import QueuedKey, QueueView, peek, plan
 from hiradix.core.node import IntegrityError, Tier, TreeMatch, TreeNode
 from hiradix.core.keys import prefix_hash
+from hiradix.core.ledger import Kind
 from hiradix.core.partial_pages import PartialPage, PartialPages
 from hiradix.core.placement import Placement
 from hiradix.core.ports import DevicePool, Slots
@@ -301,6 +302,14 @@ class TieredPrefixCache:
                 num, page = self.partial.match(key, next_tokens, claimer)
         return num, page
 
+    def _loading(self, node: TreeNode) -> bool:
+        """Whether ``node``'s HBM rows are still being written (a promotion from DRAM in flight:
+        its slots are set at admission, its rows arrive layer by layer in the next forward)."""
+        if self.tiers is None or not node.ops:
+            return False
+        ops = self.tiers.books.ops
+        return any(ops[i].kind == Kind.PROMOTE for i in node.ops if i in ops)
+
     def _page_below(self, node: TreeNode, namespace: Namespace, next_tokens: Key) -> tuple[Optional[TreeNode], int]:
         """The child of ``node`` in HBM whose first page shares the most leading tokens with
         ``next_tokens`` (fewer than a page: else the match would have gone on), and how many."""
@@ -308,7 +317,7 @@ class TieredPrefixCache:
         for checked, child in enumerate(node.children.values()):
             if checked >= MAX_CHILDREN_SCANNED:
                 break
-            if child.hbm_slots is None or child.namespace != namespace:
+            if child.hbm_slots is None or child.namespace != namespace or self._loading(child):
                 continue
             n = 0
             for a, b in zip(child.tokens, next_tokens):

@@ -3,8 +3,11 @@ handed over once, replaced by a longer turn, evicted first and least recently us
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
+from hiradix.core.ledger import Kind
 from hiradix.core.partial_pages import PartialPages
 from hiradix.core.prefix_cache import TieredPrefixCache
 from hiradix.core.tree import TieredRadixTree
@@ -154,3 +157,21 @@ def test_a_request_diverging_inside_a_tree_page_gets_its_leading_rows_copied_int
     cache.step()
     assert cache.match_partial(m.hbm_node, None, [8, 99], claimer="r3")[0] == 2 - 1  # r2's claimed copy lapsed: kept
     assert cache.match_partial(m.hbm_node, None, [9], claimer="r4") == (0, None) and len(copies) == 2
+
+
+def test_no_copy_from_a_page_whose_rows_are_still_being_promoted():
+    """A page promoted from DRAM has its HBM slots at admission and its rows only after the next
+    forward: a copy from it would read stale rows (a fresh clone's fault tests caught exactly that)."""
+    tree = TieredRadixTree(PS)
+    device = SimDevicePool(32, PS)
+    copies = []
+    cache = TieredPrefixCache(tree, device, None, partial_pages=True,
+                              copy_rows=lambda src, dst: copies.append(list(src)))
+    cache.checkpoint(list(range(12)), None, device.alloc(12), 0)
+    m = tree.match(list(range(8)) + [8, 9, 99])
+    child = next(iter(m.hbm_node.children.values()))
+    child.ops.add(7)  # a promotion in flight on the page below the match
+    cache.tiers = SimpleNamespace(books=SimpleNamespace(ops={7: SimpleNamespace(kind=Kind.PROMOTE)}))
+    assert cache.match_partial(m.hbm_node, None, [8, 9, 99], claimer="r") == (0, None) and copies == []
+    cache.tiers.books.ops = {7: SimpleNamespace(kind=Kind.BACKUP)}  # a backup only reads the rows
+    assert cache.match_partial(m.hbm_node, None, [8, 9, 99], claimer="r")[0] == 2 and len(copies) == 1
