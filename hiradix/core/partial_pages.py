@@ -141,6 +141,19 @@ class PartialPages:
         self._lru.move_to_end(best)
         return best_len, best
 
+    def add_claimed(self, prefix: PrefixKey, tokens: Sequence[int], slots: Any, owner: Any,
+                    claimer: Hashable) -> PartialPage:
+        """Hold a page made for ``claimer`` (a copy), claimed by it; returns the page. Any claim
+        of ``claimer`` on another page of ``prefix`` lapses."""
+        for other in self._by_prefix.get(prefix, ()):
+            if other.claimed_by == claimer:
+                other.claimed_by = None
+        page = PartialPage(prefix, tuple(tokens), slots, owner, claimer)
+        self._by_prefix.setdefault(prefix, []).append(page)
+        self._lru[page] = None
+        self._claimed.append(page)
+        return page
+
     def take(self, page: PartialPage, claimer: Hashable, num_tokens: int) -> Any:
         """Hand ``page`` to the request that claimed it; returns the page's slots (now the request's own).
 

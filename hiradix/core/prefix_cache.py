@@ -288,19 +288,25 @@ class TieredPrefixCache:
             return 0, None
         key = self._partial_key(node, namespace)
         num, page = self.partial.match(key, next_tokens, claimer) if self.partial.num_pages else (0, None)
-        if num < len(next_tokens) and self.copy_rows is not None:
+        if page is not None and num < len(page.tokens) and self._can_copy():
+            # the request leaves the kept page inside it: copy its rows, the page stays for its own branch
+            page = self._copy_page(key, node, page.slots[:num], next_tokens[:num], claimer)
+        if num < len(next_tokens) and self._can_copy():
             child, shared = self._page_below(node, namespace, next_tokens)
-            if shared > num and self.device.available_size() >= self.tree.page_size:
-                slots = self.device.alloc(self.tree.page_size)
-                self.copy_rows(child.hbm_slots[:shared], slots[:shared])
-                kept, replaced = self.partial.keep(key, next_tokens[:shared], slots, owner=node)
-                for old in [] if kept else [slots]:
-                    self.device.free(old)
-                for old in replaced:
-                    self.device.free(old)
-                self.partial.copied += int(kept)
-                num, page = self.partial.match(key, next_tokens, claimer)
+            if shared > num:
+                num, page = shared, self._copy_page(key, node, child.hbm_slots[:shared], next_tokens[:shared], claimer)
         return num, page
+
+    def _can_copy(self) -> bool:
+        """A copy-on-write is possible now: a copier, and a free device page (a match never evicts)."""
+        return self.copy_rows is not None and self.device.available_size() >= self.tree.page_size
+
+    def _copy_page(self, key: tuple, node: TreeNode, src_slots: Slots, tokens: Key, claimer: Any) -> PartialPage:
+        """A fresh page holding a copy of ``src_slots``' rows (``tokens``), claimed by ``claimer``."""
+        slots = self.device.alloc(self.tree.page_size)
+        self.copy_rows(src_slots, slots[: len(tokens)])
+        self.partial.copied += 1
+        return self.partial.add_claimed(key, tokens, slots, node, claimer)
 
     def _loading(self, node: TreeNode) -> bool:
         """Whether ``node``'s HBM rows are still being written (a promotion from DRAM in flight:

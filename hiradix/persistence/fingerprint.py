@@ -10,7 +10,10 @@ the same architecture in the same directory must not match. Hashing every weight
 large model at each start would take minutes, so it hashes ``config.json`` in full and, for
 every weight file, its name, size and 18 samples of 64 KiB (first and last MiB plus 16 evenly
 spaced), which differ for any retrained or re-quantised checkpoint. A hub id (no local
-directory) is identified by id and revision.
+directory) is identified by id and revision. The NVMe index, which only this machine reads, also
+records :func:`weights_stamp` (each weight file's name, size and modification time): a weight
+file changed in place, even where no sample falls (one patched tensor), discards the pages. The
+store's keys leave it out: every node's copy of a model has its own modification times.
 """
 
 from __future__ import annotations
@@ -63,9 +66,27 @@ def model_identity(model_path: str, revision: Optional[str] = None) -> str:
     return h.hexdigest()
 
 
+def weights_stamp(model_path: str) -> Optional[str]:
+    """Names, sizes and modification times (ns) of a local model's weight files, hashed (hex);
+    None for a hub id. Any rewrite of a weight file changes it.
+
+    Raises:
+        OSError: a file of the directory cannot be read.
+    """
+    root = Path(model_path)
+    if not root.is_dir():
+        return None
+    h = xxhash.xxh3_128()
+    for path in sorted(p for p in root.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()):
+        st = path.stat()
+        h.update(f"{path.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
 def kv_fingerprint(
     model_id: str, model_dtype: str, layout: KVLayout, tp_rank: int, tp_size: int, slot_bytes: int,
     attn_dp_size: int = 1, shared_host_copy: bool = False, page_format: str = "exact",
+    weights_stamp: Optional[str] = None,
 ) -> dict[str, str]:
     """Everything persisted KV depends on, as strings.
 
@@ -83,6 +104,7 @@ def kv_fingerprint(
         page_format: the tier's page format (``--hiradix-cold-format``,
             :mod:`hiradix.dataplane.kv_codec`); recorded only when not ``exact``, so exact tiers
             keep today's fingerprint.
+        weights_stamp: :func:`weights_stamp` of the model (the NVMe index only); recorded when given.
     """
     return {
         "model": model_id,
@@ -99,6 +121,7 @@ def kv_fingerprint(
         **({"attn_dp_size": str(attn_dp_size)} if attn_dp_size > 1 else {}),
         **({"host_copy": "node"} if shared_host_copy else {}),
         **({"page_format": page_format} if page_format != "exact" else {}),
+        **({"weights_stamp": weights_stamp} if weights_stamp else {}),
         "slot_bytes": str(slot_bytes),
         "hiradix_version": hiradix.__version__,
         "page_hash": HASH_NAME,

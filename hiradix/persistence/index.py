@@ -237,10 +237,13 @@ class NvmeIndex:
         records, _ = _read_records(data, path) if data else ([], 0)
         header = records[0] if records and isinstance(records[0], Header) else None
         if header is not None and header.format_version == INDEX_FORMAT_VERSION and header.fingerprint == fingerprint:
-            pages, orphans = _chain(_replay(records, num_slots, page_tokens))
+            every = _replay(records, 1 << 62, page_tokens)
+            pages, orphans = _chain({slot: put for slot, put in every.items() if slot < num_slots})
             reused = True
-            logger.info("hiradix: NVMe index %s: same fingerprint; re-indexed %d pages (%d orphan pages dropped)",
-                        path, len(pages), len(orphans))
+            beyond = sum(slot >= num_slots for slot in every)
+            smaller = f"; {beyond} pages beyond the slot file's {num_slots} slots dropped" if beyond else ""
+            logger.info("hiradix: NVMe index %s: same fingerprint; re-indexed %d pages (%d orphan pages dropped%s)",
+                        path, len(pages), len(orphans), smaller)
         elif header is not None:
             logger.warning("hiradix: NVMe index %s was written for another setup (%s); its pages are not reused",
                            path, _fingerprint_diff(header.fingerprint, fingerprint) or "format version")

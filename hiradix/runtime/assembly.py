@@ -114,7 +114,7 @@ def _open_index(nvme_dir: Path, identity: dict, layout: KVLayout, tp_rank: int, 
     fingerprint = kv_fingerprint(identity["model_id"], identity["model_dtype"], layout, tp_rank,
                                  identity["tp_size"], slot_bytes_for(tier_page_bytes(config, layout, "nvme")),
                                  attn_dp_size=identity.get("attn_dp_size", 1), shared_host_copy=shared,
-                                 page_format=page_format_in(config, "nvme"))
+                                 page_format=page_format_in(config, "nvme"), weights_stamp=identity.get("weights_stamp"))
     if not (nvme_dir / NVME_FILE_NAME).exists() and (nvme_dir / INDEX_FILE_NAME).exists():
         logger.warning("hiradix: %s has an NVMe index but no slot file; starting empty", nvme_dir)
         (nvme_dir / INDEX_FILE_NAME).unlink()

@@ -204,13 +204,15 @@ class TieredRadixCache(BasePrefixCache):
         request waits for it at admission (:meth:`should_wait`) up to the load timeout.
         """
         key = params.key.page_aligned(self.page_size)
-        if len(key) == 0:
+        if len(key) == 0:  # less than a page: only a partial page can hit
             root = self.tree.root
-            return MatchResult(0, root, root, root)
+            partial = self._match_partial(params, key, 0, root)
+            return MatchResult(partial, root, root, root, cache_protected_len=0 if partial else None,
+                               full_kv_hit_length=partial)
         if self.overflow is not None and params.req is not None:
             self.overflow.reuse(params.req, key.raw_token_ids(), namespace_of(key))  # a cut prompt's kept tail
         m = self.core.match(key.raw_token_ids(), namespace_of(key))
-        partial = self._match_partial(params, key, m)
+        partial = self._match_partial(params, key, m.hbm_len, m.hbm_node, all_in_hbm=m.hbm_len == m.matched_len)
         return MatchResult(
             device_prefix_len=m.hbm_len + partial,
             last_device_node=m.hbm_node,
@@ -221,18 +223,20 @@ class TieredRadixCache(BasePrefixCache):
             full_kv_hit_length=m.hbm_len + m.dram_len + partial,
         )
 
-    def _match_partial(self, params: MatchPrefixParams, key: RadixKey, m: Any) -> int:
-        """Tokens of a kept partial last page that continue a match wholly in HBM (claimed for the
-        request until the next step; :meth:`prefix_device_indices` hands the page over)."""
+    def _match_partial(self, params: MatchPrefixParams, key: RadixKey, hbm_len: int, node: TreeNode,
+                       all_in_hbm: bool = True) -> int:
+        """Tokens of a partial page that continue a match wholly in HBM (``hbm_len`` tokens up to
+        ``node``), claimed for the request until the next step; :meth:`prefix_device_indices`
+        hands the page over."""
         req = params.req
         if req is None:
             return 0
         req.hiradix_partial = None
-        if self.core.partial is None or m.hbm_len != m.matched_len:
+        if self.core.partial is None or not all_in_hbm:
             return 0
         raw = params.key.raw_token_ids()  # honours SGLang's limit: the last token is computed
-        next_tokens = raw[m.hbm_len: m.hbm_len + self.page_size - 1]
-        num, page = self.core.match_partial(m.hbm_node, namespace_of(key), next_tokens, req.rid)
+        next_tokens = raw[hbm_len: hbm_len + self.page_size - 1]
+        num, page = self.core.match_partial(node, namespace_of(params.key), next_tokens, req.rid)
         if num:
             req.hiradix_partial = page
         return num
@@ -418,12 +422,13 @@ def create_hiradix_cache(ctx: TreeCacheBuildContext) -> TieredRadixCache:
     kv_pool = ctx.tp_worker.model_runner.token_to_kv_pool
     identity = None
     if config.nvme_bytes > 0 or config.has_store_tier:
-        from hiradix.persistence.fingerprint import model_identity
+        from hiradix.persistence.fingerprint import model_identity, weights_stamp
 
         args = ctx.server_args
         identity = {"model_id": model_identity(args.model_path, getattr(args, "revision", None)),
                     "model_dtype": str(ctx.model_config.dtype), "tp_size": ctx.tp_size,
-                    "attn_dp_size": int(getattr(args, "attn_dp_size", 1) or 1)}
+                    "attn_dp_size": int(getattr(args, "attn_dp_size", 1) or 1),
+                    "weights_stamp": weights_stamp(args.model_path)}
     partial_pages = config.partial_page == "on" and ctx.params.page_size > 1
     if partial_pages and (config.context_overflow != "off" or getattr(ctx.server_args, "disaggregation_mode", "null") != "null"):
         logger.info("hiradix: --hiradix-partial-page is off with prefill/decode disaggregation and with context overflow")

@@ -175,3 +175,21 @@ def test_no_copy_from_a_page_whose_rows_are_still_being_promoted():
     assert cache.match_partial(m.hbm_node, None, [8, 9, 99], claimer="r") == (0, None) and copies == []
     cache.tiers.books.ops = {7: SimpleNamespace(kind=Kind.BACKUP)}  # a backup only reads the rows
     assert cache.match_partial(m.hbm_node, None, [8, 9, 99], claimer="r")[0] == 2 and len(copies) == 1
+
+
+def test_a_request_leaving_a_kept_page_inside_it_gets_a_copy_and_the_page_stays_for_its_branch():
+    """A regenerated answer shares only the start of the kept last page: moving the page to it
+    would take the original conversation's rows away (a break-it review saw 21 cached of 25)."""
+    tree = TieredRadixTree(PS)
+    device = SimDevicePool(32, PS)
+    copies = []
+    cache = TieredPrefixCache(tree, device, None, partial_pages=True,
+                              copy_rows=lambda src, dst: copies.append((list(src), list(dst))))
+    _, last = cache.checkpoint(list(range(8)), None, device.alloc(8), 0)
+    kept = device.alloc(PS)
+    assert cache.keep_partial(last, None, [8, 9, 10], kept)
+    num, page = cache.match_partial(last, None, [8, 99], claimer="regen")
+    assert num == 1 and list(page.slots) != kept and copies == [([kept[0]], [page.slots[0]])]
+    cache.take_partial(page, "regen", num)
+    num, page = cache.match_partial(last, None, [8, 9, 10], claimer="original")
+    assert num == 3 and list(page.slots) == kept and len(copies) == 1  # the whole kept page: moved, no copy

@@ -15,7 +15,9 @@ Servers are stopped by PID (whole process group) also when an assertion fails.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -93,6 +95,35 @@ def test_a_prompt_diverging_inside_a_cached_page_reuses_its_leading_rows_as_stoc
     reused = metric(hiradix_server.base_url, "sglang:hiradix_partial_page_tokens_total")
     assert b["cached"] == stock_b["cached"] == shared, (b["cached"], stock_b["cached"], shared)
     assert reused >= shared % 16
+
+
+def generate_ids(base_url: str, input_ids: list[int], max_new_tokens: int) -> tuple[list[int], int]:
+    """Greedy ``/generate`` on token ids: (output ids, cached tokens)."""
+    body = {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens,
+                                                        "ignore_eos": True}}
+    req = urllib.request.Request(f"{base_url}/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        out = json.loads(resp.read())
+    return out["output_ids"], out["meta_info"]["cached_tokens"]
+
+
+def test_short_prompts_and_regenerated_answers_cache_what_stock_does_at_page_size_one(hiradix_server, stock_server):
+    """A break-it review's gaps: a continuation shorter than a page (the whole-page match is empty)
+    and a regenerated answer (it shares only the start of the kept last page, which then stays
+    for the original conversation) cache what stock at page size 1 caches; outputs are stock's."""
+    got = {}
+    for name, server in (("stock", stock_server), ("hiradix", hiradix_server)):
+        first, _ = generate_ids(server.base_url, [7, 31], 4)  # 5 tokens of KV: less than a page
+        short = generate_ids(server.base_url, [7, 31] + first + [10], 2)
+        prompt = list(range(100, 121))  # 21 tokens: a whole page and a partial one
+        answer, _ = generate_ids(server.base_url, prompt, 5)
+        regen = generate_ids(server.base_url, prompt + [5, 6, 8], 2)  # shares 21 of its tokens only
+        original = generate_ids(server.base_url, prompt + answer + [9, 9, 9, 9], 2)
+        got[name] = [first, short, answer, regen, original]
+    assert got["hiradix"] == got["stock"], got
+    cached = [got["stock"][i][1] for i in (1, 3, 4)]
+    assert cached == [5, 21, 25], cached  # the first turn's KV, the prompt, the prompt + 4 answer tokens
 
 
 def spawned_children(server) -> bool:

@@ -12,7 +12,7 @@ import stat
 
 import torch
 
-from hiradix.persistence.fingerprint import kv_fingerprint, model_identity
+from hiradix.persistence.fingerprint import kv_fingerprint, model_identity, weights_stamp
 from hiradix.dataplane.layout import KVLayout
 from hiradix.persistence.journal import IndexJournal, restore
 from hiradix.tiers.nvme import NvmeStore
@@ -204,6 +204,40 @@ def test_model_identity_follows_content_not_path(tmp_path):
     (model / "config.json").write_text('{"hidden_size": 9}')
     assert len({first, model_identity(str(model))}) == 2
     assert model_identity("org/model", "abc") == "hub:org/model@abc"
+
+
+def test_a_weight_file_rewritten_in_place_changes_the_local_stamp_not_the_content_hash(tmp_path):
+    """A break-it review patched one tensor element where no sample falls: the content hash (the
+    store's keys) stayed, so a restart re-indexed KV of the old weights. The NVMe index also
+    records each weight file's size and modification time (``weights_stamp``)."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 8}')
+    weights = bytearray(os.urandom(3 << 20))
+    (model / "model.safetensors").write_bytes(weights)
+    identity, stamp = model_identity(str(model)), weights_stamp(str(model))
+    assert weights_stamp(str(model)) == stamp
+    weights[len(weights) * 6 // 17 + (64 << 10) + 100] ^= 0xFF  # past the first MiB, just after a sample
+    (model / "model.safetensors").write_bytes(weights)
+    os.utime(model / "model.safetensors", ns=(1, 2))  # whatever the clock says: a new time
+    assert model_identity(str(model)) == identity and weights_stamp(str(model)) != stamp
+    layout = KVLayout(num_layers=2, page_size=16, num_kv_heads=4, head_dim=64, dtype=torch.float32)
+    assert "weights_stamp" not in kv_fingerprint("id", "float32", layout, 0, 1, slot_bytes=8192)
+    assert kv_fingerprint("id", "float32", layout, 0, 1, slot_bytes=8192, weights_stamp=stamp)["weights_stamp"] == stamp
+    assert weights_stamp("org/model") is None
+
+
+def test_a_smaller_slot_file_says_how_many_pages_it_dropped(tmp_path, caplog):
+    index, _ = NvmeIndex.open(tmp_path, FP, 32, PS)
+    h = b""
+    for slot in (3, 20, 21):  # a chain of three pages
+        h = index.record([slot], h, [[slot, slot]], None)
+    index.close()
+    with caplog.at_level(logging.INFO):
+        index, pages = NvmeIndex.open(tmp_path, FP, 16, PS)
+    index.close()
+    assert [p.slot for p in pages] == [3]
+    assert "re-indexed 1 pages (0 orphan pages dropped; 2 pages beyond the slot file's 16 slots dropped)" in caplog.text
 
 
 def test_kv_fingerprint_names_every_shape_field():
