@@ -53,7 +53,8 @@ class PartialPage:
     claimed_by: Optional[Hashable] = None
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
+def shared_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Leading tokens ``a`` and ``b`` share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -80,7 +81,7 @@ class PartialPages:
         self.taken = 0  # pages handed to a request, ever
         self.reused_tokens = 0  # their tokens, not computed again
         self.evicted = 0  # pages freed under HBM pressure, ever
-        self.copied = 0  # pages made by copying a tree page's leading rows (the caller counts them)
+        self.copied = 0  # pages copied for a request (:meth:`add_claimed`), ever
 
     @property
     def num_pages(self) -> int:
@@ -127,14 +128,12 @@ class PartialPages:
         for page in pages:
             if page.claimed_by is not None and page.claimed_by != claimer:
                 continue
-            n = _common(page.tokens, next_tokens)
+            n = shared_len(page.tokens, next_tokens)
             if n > best_len:
                 best, best_len = page, n
         if best is None:
             return 0, None
-        for page in pages:  # a request claims one page at most
-            if page is not best and page.claimed_by == claimer:
-                page.claimed_by = None
+        self._release_claims(prefix, claimer, but=best)  # a request claims one page at most
         if best.claimed_by is None:
             best.claimed_by = claimer
             self._claimed.append(best)
@@ -143,16 +142,20 @@ class PartialPages:
 
     def add_claimed(self, prefix: PrefixKey, tokens: Sequence[int], slots: Any, owner: Any,
                     claimer: Hashable) -> PartialPage:
-        """Hold a page made for ``claimer`` (a copy), claimed by it; returns the page. Any claim
-        of ``claimer`` on another page of ``prefix`` lapses."""
-        for other in self._by_prefix.get(prefix, ()):
-            if other.claimed_by == claimer:
-                other.claimed_by = None
+        """Hold a page copied for ``claimer``, claimed by it (counted in :attr:`copied`); returns
+        the page. Any claim of ``claimer`` on another page of ``prefix`` lapses."""
+        self._release_claims(prefix, claimer)
         page = PartialPage(prefix, tuple(tokens), slots, owner, claimer)
         self._by_prefix.setdefault(prefix, []).append(page)
         self._lru[page] = None
         self._claimed.append(page)
+        self.copied += 1
         return page
+
+    def _release_claims(self, prefix: PrefixKey, claimer: Hashable, but: Optional[PartialPage] = None) -> None:
+        for page in self._by_prefix.get(prefix, ()):
+            if page is not but and page.claimed_by == claimer:
+                page.claimed_by = None
 
     def take(self, page: PartialPage, claimer: Hashable, num_tokens: int) -> Any:
         """Hand ``page`` to the request that claimed it; returns the page's slots (now the request's own).

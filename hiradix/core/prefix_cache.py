@@ -23,7 +23,7 @@ from hiradix.core.lookahead import QueuedKey, QueueView, peek, plan
 from hiradix.core.node import IntegrityError, Tier, TreeMatch, TreeNode
 from hiradix.core.keys import prefix_hash
 from hiradix.core.ledger import Kind
-from hiradix.core.partial_pages import PartialPage, PartialPages
+from hiradix.core.partial_pages import PartialPage, PartialPages, shared_len
 from hiradix.core.placement import Placement
 from hiradix.core.ports import DevicePool, Slots
 from hiradix.core.tree import TieredRadixTree
@@ -305,7 +305,6 @@ class TieredPrefixCache:
         """A fresh page holding a copy of ``src_slots``' rows (``tokens``), claimed by ``claimer``."""
         slots = self.device.alloc(self.tree.page_size)
         self.copy_rows(src_slots, slots[: len(tokens)])
-        self.partial.copied += 1
         return self.partial.add_claimed(key, tokens, slots, node, claimer)
 
     def _loading(self, node: TreeNode) -> bool:
@@ -325,11 +324,7 @@ class TieredPrefixCache:
                 break
             if child.hbm_slots is None or child.namespace != namespace or self._loading(child):
                 continue
-            n = 0
-            for a, b in zip(child.tokens, next_tokens):
-                if a != b:
-                    break
-                n += 1
+            n = shared_len(child.tokens, next_tokens)
             if n > best_len:
                 best, best_len = child, n
         return best, best_len

@@ -20,6 +20,17 @@ def prefix_key(namespace, tokens):
     return namespace, tuple(tokens)  # any hashable key of the prefix (the core's: namespace, chain hash)
 
 
+def copying_cache(record=lambda src, dst: (list(src), list(dst))):
+    """A prefix cache with partial pages over a 32-token device pool and a copier that records
+    ``record(src, dst)`` of each copy: ``(tree, device, cache, copies)``."""
+    tree = TieredRadixTree(PS)
+    device = SimDevicePool(32, PS)
+    copies = []
+    cache = TieredPrefixCache(tree, device, None, partial_pages=True,
+                              copy_rows=lambda src, dst: copies.append(record(src, dst)))
+    return tree, device, cache, copies
+
+
 def test_a_kept_page_is_matched_claimed_for_one_step_and_taken_once():
     pages = PartialPages(PS)
     key = prefix_key(None, [1, 2, 3, 4])
@@ -138,11 +149,7 @@ def test_without_the_option_nothing_is_kept():
 def test_a_request_diverging_inside_a_tree_page_gets_its_leading_rows_copied_into_a_page_of_its_own():
     """Copy-on-write: the tree's page stays as it is; the copy is the request's (moved to it at
     admission), and a match only copies into free device pages."""
-    tree = TieredRadixTree(PS)
-    device = SimDevicePool(32, PS)
-    copies = []
-    cache = TieredPrefixCache(tree, device, None, partial_pages=True,
-                              copy_rows=lambda src, dst: copies.append((list(src), list(dst))))
+    tree, device, cache, copies = copying_cache()
     _, last = cache.checkpoint(list(range(12)), None, device.alloc(12), 0)
     tree_slots = list(cache.path_slots(last))
     m = cache.match(list(range(8)) + [8, 9, 99, 98])  # diverges inside the third page
@@ -162,11 +169,7 @@ def test_a_request_diverging_inside_a_tree_page_gets_its_leading_rows_copied_int
 def test_no_copy_from_a_page_whose_rows_are_still_being_promoted():
     """A page promoted from DRAM has its HBM slots at admission and its rows only after the next
     forward: a copy from it would read stale rows (a fresh clone's fault tests caught exactly that)."""
-    tree = TieredRadixTree(PS)
-    device = SimDevicePool(32, PS)
-    copies = []
-    cache = TieredPrefixCache(tree, device, None, partial_pages=True,
-                              copy_rows=lambda src, dst: copies.append(list(src)))
+    tree, device, cache, copies = copying_cache(record=lambda src, dst: list(src))
     cache.checkpoint(list(range(12)), None, device.alloc(12), 0)
     m = tree.match(list(range(8)) + [8, 9, 99])
     child = next(iter(m.hbm_node.children.values()))
@@ -180,11 +183,7 @@ def test_no_copy_from_a_page_whose_rows_are_still_being_promoted():
 def test_a_request_leaving_a_kept_page_inside_it_gets_a_copy_and_the_page_stays_for_its_branch():
     """A regenerated answer shares only the start of the kept last page: moving the page to it
     would take the original conversation's rows away (a break-it review saw 21 cached of 25)."""
-    tree = TieredRadixTree(PS)
-    device = SimDevicePool(32, PS)
-    copies = []
-    cache = TieredPrefixCache(tree, device, None, partial_pages=True,
-                              copy_rows=lambda src, dst: copies.append((list(src), list(dst))))
+    tree, device, cache, copies = copying_cache()
     _, last = cache.checkpoint(list(range(8)), None, device.alloc(8), 0)
     kept = device.alloc(PS)
     assert cache.keep_partial(last, None, [8, 9, 10], kept)
