@@ -19,17 +19,17 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from hiradix.core.controller import TierController
+from hiradix.core.dram_stream import DramStream
 from hiradix.core.lookahead import QueuedKey, QueueView, peek, plan
 from hiradix.core.node import IntegrityError, Tier, TreeMatch, TreeNode
-from hiradix.core.keys import prefix_hash
 from hiradix.core.ledger import Kind
-from hiradix.core.partial_pages import PartialPage, PartialPages, shared_len
+from hiradix.core.partial_pages import PartialPage
+from hiradix.core.partial_reuse import PartialReuse
 from hiradix.core.placement import Placement
 from hiradix.core.ports import DevicePool, Slots
 from hiradix.core.tree import TieredRadixTree
 
 Key = Sequence[int]  # token ids
-MAX_CHILDREN_SCANNED = 64  # children of a node a copy-on-write match looks at (a root may have thousands)
 Namespace = Optional[tuple]  # (extra_key, cache_salt) or None
 
 
@@ -69,7 +69,7 @@ class TieredPrefixCache:
         on_evict: called with ``(tokens evicted, time.perf_counter() at its start)`` after each
             HBM eviction (SGLang's ``update_eviction_metrics`` takes these).
         partial_pages: keep finished requests' partly filled last pages in HBM for the next
-            request of the prefix (:mod:`hiradix.core.partial_pages`); needs pages of > 1 token.
+            request of the prefix (:mod:`hiradix.core.partial_reuse`); needs pages of > 1 token.
         copy_rows: ``copy_rows(src_slots, dst_slots)`` copies device KV rows (every layer); with
             it, a request whose next tokens begin a page the tree holds in HBM gets those rows
             copied into a fresh page of its own (copy-on-write).
@@ -95,8 +95,11 @@ class TieredPrefixCache:
         self.load_timeout_s = load_timeout_s
         self.check_every_step = check_every_step
         self.on_evict = on_evict
-        self.partial = PartialPages(tree.page_size) if partial_pages and tree.page_size > 1 else None
-        self.copy_rows = copy_rows
+        use_partial = partial_pages and tree.page_size > 1
+        self.partial = PartialReuse(tree, device, copy_rows, self._loading) if use_partial else None
+        self.streamed: Optional[tuple[int, LoadBack]] = None  # what the last match promoted early
+        dram_pages = tiers.books.dram.capacity if tiers is not None else 0
+        self.stream = DramStream(tree.page_size, dram_pages)
         self.last_view: Optional[QueueView] = None
         # Admission skipped a request for its reads since the last step: a scheduler with nothing
         # to run may then block on the I/O results (wait_for_reads) instead of spinning.
@@ -115,22 +118,42 @@ class TieredPrefixCache:
             if m.hbm_len and self.tiers.plan.write_selective:
                 self.tiers.after_hit(m.stage(Tier.HBM))
             self._start_reads(m, tokens, namespace, ahead=False)
+            self.streamed = None
+            if self.stream.promote_first(m) and self._promote_held(m):  # a history larger than DRAM
+                m = self.tree.match(tokens, namespace)
+                self._start_reads(m, tokens, namespace, ahead=False)
         return m
 
+    def _promote_held(self, m: TreeMatch) -> int:
+        """Promote ``m``'s DRAM part into HBM now, for a request still waiting for the rest of its
+        history (:mod:`hiradix.core.dram_stream`); returns tokens promoted (0: no HBM room).
+        :attr:`streamed` tells the caller: ``(first token promoted, LoadBack)``."""
+        self.lock(m.hbm_node)
+        try:
+            back = self.load_back(m.hbm_node, m.dram_node, m.dram_len)
+            if back.loaded:
+                self.tiers.land_now()
+        finally:
+            self.unlock(m.hbm_node)
+        self.tiers.stats.streamed_tokens += back.loaded
+        self.streamed = (m.hbm_len, back) if back.loaded else None
+        return back.loaded
+
     def _start_reads(self, m: TreeMatch, tokens: Key, namespace: Namespace, ahead: bool) -> None:
-        # The room a read makes must not be the request's own DRAM pages (before or after the read).
-        dram = [n for n in m.nodes if n.in_tier(Tier.DRAM)] if m.nvme_len or m.store_len else []
+        # The room a read makes must not be the request's own DRAM pages (before or after the read);
+        # the DRAM copies of its HBM part may go (a history streamed through DRAM needs them to).
+        dram = [n for n in m.nodes if n.in_tier(Tier.DRAM) and not n.in_tier(Tier.HBM)] if m.nvme_len or m.store_len else []
         self.tiers.books.hold(dram, Tier.DRAM)
         try:
-            if m.nvme_len:
-                self.tiers.prefetch(m.stage(Tier.NVME), self.load_timeout_s, ahead=ahead)
+            if m.nvme_len and (nodes := self.stream.readable(m, Tier.NVME)):
+                self.tiers.prefetch(nodes, self.load_timeout_s, ahead=ahead)
             self._start_store_reads(m, tokens, namespace, ahead)
         finally:
             self.tiers.books.release(dram, Tier.DRAM)
 
     def _start_store_reads(self, m: TreeMatch, tokens: Key, namespace: Namespace, ahead: bool) -> None:
-        if m.store_len and self.tiers.store_read_worth(m.store_len):  # else: recomputed (load or recompute)
-            self.tiers.prefetch(m.stage(Tier.STORE), self.load_timeout_s, ahead=ahead, src=Tier.STORE)
+        if m.store_len and self.tiers.store_read_worth(m.store_len) and (nodes := self.stream.readable(m, Tier.STORE)):
+            self.tiers.prefetch(nodes, self.load_timeout_s, ahead=ahead, src=Tier.STORE)  # (else: recomputed)
         if m.matched_len == m.cached_len:  # the tree knows nothing more: ask the store what follows
             self.tiers.lookup(m, tokens, namespace, self.load_timeout_s, ahead=ahead)
 
@@ -224,24 +247,12 @@ class TieredPrefixCache:
             self.device.free(slots)
             evicted += len(slots)
         if self.partial is not None and self.partial.num_pages:
-            evicted += self._evict_partial(num_tokens - evicted, tree_evicted=evicted > 0)
+            evicted += self.partial.evict(num_tokens - evicted, tree_evicted=evicted > 0)
         if self.on_evict is not None:
             self.on_evict(evicted, started_s)  # SGLang's eviction metrics take perf_counter()
         if self.check_every_step:
             self.check_integrity()
         return evicted
-
-    def _evict_partial(self, short_tokens: int, tree_evicted: bool) -> int:
-        """Free the partial pages whose prefix just left HBM, then, if still ``short_tokens``
-        short (the tree had nothing more to evict), the least recently used ones; tokens freed."""
-        page_size, root = self.tree.page_size, self.tree.root
-        freed = self.partial.evict_orphans(lambda n: n is root or (n.alive and n.hbm_slots is not None)) if tree_evicted else []
-        short_tokens -= len(freed) * page_size
-        if short_tokens > 0:
-            freed += self.partial.evict(-(-short_tokens // page_size))
-        for slots in freed:
-            self.device.free(slots)  # the whole page
-        return len(freed) * page_size
 
     # ------------------------------------------------------------ insert / locks
     def checkpoint(self, tokens: Key, namespace: Namespace, slots: Slots, protected_len: int,
@@ -272,40 +283,19 @@ class TieredPrefixCache:
         return key_len, last
 
     # ------------------------------------------------------------ partial last pages
-    def _partial_key(self, node: TreeNode, namespace: Namespace) -> tuple:
-        """A whole-page prefix, by content: its namespace and chain hash (cached on the nodes)."""
-        return namespace, prefix_hash(self.tree.root, node, self.tree.page_size)
-
     def match_partial(self, node: TreeNode, namespace: Namespace, next_tokens: Key,
                       claimer: Any) -> tuple[int, Optional[PartialPage]]:
-        """The partial page after the whole-page prefix ending at ``node`` (all in HBM) that shares
-        the most of ``next_tokens``, claimed for ``claimer`` until the next step; ``(0, None)``
-        if none. A kept page (a finished request's last page) is moved to the request; when a
-        page the tree holds in HBM below ``node`` shares more (the conversation diverged inside
-        a whole page), its rows are copied into a fresh page first (copy-on-write; only from
-        free device pages: a match never evicts)."""
-        if self.partial is None or not next_tokens:
-            return 0, None
-        key = self._partial_key(node, namespace)
-        num, page = self.partial.match(key, next_tokens, claimer) if self.partial.num_pages else (0, None)
-        if page is not None and num < len(page.tokens) and self._can_copy():
-            # the request leaves the kept page inside it: copy its rows, the page stays for its own branch
-            page = self._copy_page(key, node, page.slots[:num], next_tokens[:num], claimer)
-        if num < len(next_tokens) and self._can_copy():
-            child, shared = self._page_below(node, namespace, next_tokens)
-            if shared > num:
-                num, page = shared, self._copy_page(key, node, child.hbm_slots[:shared], next_tokens[:shared], claimer)
-        return num, page
+        """The partial page that continues a whole-page prefix in HBM (:meth:`PartialReuse.match`);
+        ``(0, None)`` when partial pages are off."""
+        return (0, None) if self.partial is None else self.partial.match(node, namespace, next_tokens, claimer)
 
-    def _can_copy(self) -> bool:
-        """A copy-on-write is possible now: a copier, and a free device page (a match never evicts)."""
-        return self.copy_rows is not None and self.device.available_size() >= self.tree.page_size
+    def take_partial(self, page: PartialPage, claimer: Any, num_tokens: int) -> Slots:
+        """Hand a claimed partial page to its request (:meth:`PartialReuse.take`)."""
+        return self.partial.take(page, claimer, num_tokens)
 
-    def _copy_page(self, key: tuple, node: TreeNode, src_slots: Slots, tokens: Key, claimer: Any) -> PartialPage:
-        """A fresh page holding a copy of ``src_slots``' rows (``tokens``), claimed by ``claimer``."""
-        slots = self.device.alloc(self.tree.page_size)
-        self.copy_rows(src_slots, slots[: len(tokens)])
-        return self.partial.add_claimed(key, tokens, slots, node, claimer)
+    def keep_partial(self, node: TreeNode, namespace: Namespace, tokens: Key, slots: Slots) -> bool:
+        """Keep a released request's last page (:meth:`PartialReuse.keep`); False: not kept."""
+        return self.partial is not None and self.partial.keep(node, namespace, tokens, slots)
 
     def _loading(self, node: TreeNode) -> bool:
         """Whether ``node``'s HBM rows are still being written (a promotion from DRAM in flight:
@@ -314,35 +304,6 @@ class TieredPrefixCache:
             return False
         ops = self.tiers.books.ops
         return any(ops[i].kind == Kind.PROMOTE for i in node.ops if i in ops)
-
-    def _page_below(self, node: TreeNode, namespace: Namespace, next_tokens: Key) -> tuple[Optional[TreeNode], int]:
-        """The child of ``node`` in HBM whose first page shares the most leading tokens with
-        ``next_tokens`` (fewer than a page: else the match would have gone on), and how many."""
-        best, best_len = None, 0
-        for checked, child in enumerate(node.children.values()):
-            if checked >= MAX_CHILDREN_SCANNED:
-                break
-            if child.hbm_slots is None or child.namespace != namespace or self._loading(child):
-                continue
-            n = shared_len(child.tokens, next_tokens)
-            if n > best_len:
-                best, best_len = child, n
-        return best, best_len
-
-    def take_partial(self, page: PartialPage, claimer: Any, num_tokens: int) -> Slots:
-        """Hand a claimed partial page to its request (the slots of its first ``num_tokens`` rows)."""
-        return self.partial.take(page, claimer, num_tokens)[:num_tokens]
-
-    def keep_partial(self, node: TreeNode, namespace: Namespace, tokens: Key, slots: Slots) -> bool:
-        """Keep a released request's last page after the whole-page prefix ending at ``node``:
-        ``tokens`` (fewer than a page) in its first rows, ``slots`` the whole page's; False: not
-        kept (the caller frees it as before)."""
-        if self.partial is None:
-            return False
-        kept, replaced = self.partial.keep(self._partial_key(node, namespace), tokens, slots, owner=node)
-        for old in replaced:
-            self.device.free(old)
-        return kept
 
     def lock(self, node: TreeNode) -> int:
         """Pin the path to ``node`` in HBM; returns the change of evictable tokens (<= 0)."""

@@ -32,6 +32,8 @@ class TierStats:
         read_ahead_tokens: reads for predicted returns (``hiradix.core.returns``), in tokens:
             started, used (a request loaded them from DRAM), wasted (left DRAM unused).
         admission_skips: times admission skipped a request waiting for its NVMe or store reads.
+        streamed_tokens: tokens promoted to HBM while their request still waited for the rest of a
+            history larger than DRAM (:mod:`hiradix.core.dram_stream`).
         restored_pages: NVMe pages re-indexed from the durable index at start.
     """
 
@@ -42,6 +44,7 @@ class TierStats:
     store_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STORE_OUTCOMES, 0))
     read_ahead_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(READ_AHEAD_OUTCOMES, 0))
     admission_skips: int = 0
+    streamed_tokens: int = 0
     restored_pages: int = 0
 
     def note_transfer(self, kind: Kind, pages: int, ok_pages: int, page_bytes: int, page_size: int) -> None:

@@ -69,6 +69,8 @@ SERIES: tuple[Series, ...] = (
            "Reads for predicted returns (predictive policy) by outcome", "outcome", READ_AHEAD_OUTCOMES),
     Series("sglang:hiradix_dropped_tokens_total", "counter", "Tokens that left their last tier (lost)", "tier", TIERS),
     Series("sglang:hiradix_admission_skips_total", "counter", "Admissions skipped while the request's NVMe reads ran"),
+    Series("sglang:hiradix_streamed_tokens_total", "counter",
+           "Tokens promoted to HBM while their request waited for the rest of a history larger than DRAM"),
     Series("sglang:hiradix_lookahead_window_requests", "gauge", "Waiting requests the look-ahead window inspected"),
     Series("sglang:hiradix_prefetch_window_requests", "gauge", "Requests whose NVMe pages may be read ahead (L_pw)"),
     Series("sglang:hiradix_protected_nodes", "gauge", "Tree nodes queued requests need (demoted last)"),
@@ -185,6 +187,7 @@ class TierMetrics:
         for tier, value in zip(TIERS, books.dropped_tokens):
             self._advance("sglang:hiradix_dropped_tokens_total", value, tier)
         self._advance("sglang:hiradix_admission_skips_total", stats.admission_skips)
+        self._advance("sglang:hiradix_streamed_tokens_total", stats.streamed_tokens)
         for tier, tokens, size in zip(TIERS, tier_tokens, self.tier_page_bytes):
             self._set("sglang:hiradix_tier_used_tokens", tokens, tier)
             self._set("sglang:hiradix_tier_used_bytes", tokens // self.page_size * size, tier)

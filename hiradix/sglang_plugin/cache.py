@@ -33,16 +33,16 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from hiradix.core.lookahead import QueuedKey, QueueView
 from hiradix.dataplane.device_copy import copy_token_rows
+from hiradix.sglang_plugin.device_pool import SGLangDevicePool
+from hiradix.sglang_plugin.storage_hits import note_storage_hits
 from hiradix.core.policy import make_policy
 from hiradix.core.prefix_cache import TieredPrefixCache
 from hiradix.core.store_tier import STORE_RETRY_S
-from hiradix.core.node import Tier
 from hiradix.core.tree import TieredRadixTree, TreeNode
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
     from hiradix.config import HiRadixConfig
 
@@ -71,31 +71,6 @@ def request_key(req: Req, page_size: int) -> tuple[Sequence[int], Optional[tuple
     key = RadixKey(req.origin_input_ids + req.output_ids, req.extra_key, cache_salt=req.cache_salt)
     key = key.page_aligned(page_size)
     return key.raw_token_ids(), namespace_of(key)
-
-
-class SGLangDevicePool:
-    """SGLang's paged device allocator as the core's :class:`~hiradix.core.ports.DevicePool`.
-
-    Args:
-        allocator: SGLang's ``token_to_kv_pool_allocator`` (page-granular).
-        device: its device (slot tensors live there).
-    """
-
-    def __init__(self, allocator: Any, device: torch.device):
-        self.allocator = allocator
-        self._empty = torch.empty((0,), dtype=torch.int64, device=device)
-
-    def available_size(self) -> int:
-        return self.allocator.available_size()
-
-    def alloc(self, num_tokens: int) -> Optional[torch.Tensor]:
-        return self.allocator.alloc(num_tokens)
-
-    def free(self, slots: torch.Tensor) -> None:
-        self.allocator.free_segment(slots, start_pos=0)  # whole pages: start_pos only asserts alignment
-
-    def concat(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(list(parts)) if parts else self._empty
 
 
 class TieredRadixCache(BasePrefixCache):
@@ -212,6 +187,9 @@ class TieredRadixCache(BasePrefixCache):
         if self.overflow is not None and params.req is not None:
             self.overflow.reuse(params.req, key.raw_token_ids(), namespace_of(key))  # a cut prompt's kept tail
         m = self.core.match(key.raw_token_ids(), namespace_of(key))
+        if self.core.streamed is not None and params.req is not None:
+            start, back = self.core.streamed
+            note_storage_hits(params.req, back, self.config.store_backend, start)
         partial = self._match_partial(params, key, m.hbm_len, m.hbm_node, all_in_hbm=m.hbm_len == m.matched_len)
         return MatchResult(
             device_prefix_len=m.hbm_len + partial,
@@ -269,13 +247,7 @@ class TieredRadixCache(BasePrefixCache):
         req = params.req
         back = self.core.load_back(req.last_node, params.best_match_node, params.host_hit_length)
         if back.loaded:
-            # SGLang splits the host hit into host + storage by these (split_cached_prefix_by_tier):
-            # storage = tokens whose DRAM copy was read up from NVMe or the cluster store for this
-            # request, whether the look-ahead window read them early or the request waited.
-            storage = {"nvme": back.read_from[Tier.NVME], self.config.store_backend: back.read_from[Tier.STORE]}
-            req.storage_hit_length = sum(storage.values())
-            req.storage_hit_start = None
-            req.hiradix_storage_backend = ",".join(f"{name}={n}" for name, n in storage.items() if n) or None
+            note_storage_hits(req, back, self.config.store_backend)
         return back.loaded, back.node
 
     def ready_to_load_host_cache(self) -> int:
@@ -406,46 +378,3 @@ class TieredRadixCache(BasePrefixCache):
             hiradix.core.node.IntegrityError: naming the broken invariant.
         """
         self.core.check_integrity()
-
-
-def create_hiradix_cache(ctx: TreeCacheBuildContext) -> TieredRadixCache:
-    """Factory registered with SGLang's radix-cache backend registry under ``hiradix``.
-
-    Raises:
-        RuntimeError: the hiradix config did not reach this process.
-    """
-    from sglang.srt.managers.cache_controller import LayerDoneCounter
-
-    from hiradix.sglang_plugin.plugin import config_from_server_args
-
-    config = config_from_server_args(ctx.server_args)
-    kv_pool = ctx.tp_worker.model_runner.token_to_kv_pool
-    identity = None
-    if config.nvme_bytes > 0 or config.has_store_tier:
-        from hiradix.persistence.fingerprint import model_identity, weights_stamp
-
-        args = ctx.server_args
-        identity = {"model_id": model_identity(args.model_path, getattr(args, "revision", None)),
-                    "model_dtype": str(ctx.model_config.dtype), "tp_size": ctx.tp_size,
-                    "attn_dp_size": int(getattr(args, "attn_dp_size", 1) or 1),
-                    "weights_stamp": weights_stamp(args.model_path)}
-    partial_pages = config.partial_page == "on" and ctx.params.page_size > 1
-    if partial_pages and (config.context_overflow != "off" or getattr(ctx.server_args, "disaggregation_mode", "null") != "null"):
-        logger.info("hiradix: --hiradix-partial-page is off with prefill/decode disaggregation and with context overflow")
-        partial_pages = False
-    cache = TieredRadixCache(ctx.params, config, kv_pool=kv_pool, tp_rank=ctx.tp_rank, identity=identity,
-                             counter_factory=LayerDoneCounter, partial_pages=partial_pages)
-    if config.context_overflow != "off":
-        from hiradix.sglang_plugin.overflow import ContextOverflow, resolve_mode
-
-        mode, rope, why = resolve_mode(config.context_overflow, ctx.model_config.hf_config.to_dict())
-        if why:
-            logger.warning("hiradix: --hiradix-context-overflow %s falls back to recompute: %s", config.context_overflow, why)
-        cache.overflow = ContextOverflow(cache, kv_pool, mode, rope, config.keep_tokens, config.drop_ratio)
-    if cache.loader is not None:
-        kv_pool.register_layer_transfer_counter(cache.loader)
-        ctx.tp_worker.register_hicache_layer_transfer_counter(cache.loader)
-    from hiradix.sglang_plugin.stop import install_scheduler_stop
-
-    cache.stop_signal = install_scheduler_stop(cache, config.stop_timeout_s)
-    return cache

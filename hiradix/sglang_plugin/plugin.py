@@ -124,7 +124,7 @@ def hiradix_cache_factory(ctx: Any) -> Any:
 
     Checks that the package is not shadowed, that this process's scheduler hooks are
     installed and that the build context is servable, then calls
-    `hiradix.sglang_plugin.cache.create_hiradix_cache(ctx)`.
+    `hiradix.sglang_plugin.factory.create_hiradix_cache(ctx)`.
 
     Raises:
         RuntimeError: a hook is missing or the context cannot be served.
@@ -142,6 +142,6 @@ def hiradix_cache_factory(ctx: Any) -> Any:
         source,
         config.summary(),
     )
-    from hiradix.sglang_plugin.cache import create_hiradix_cache
+    from hiradix.sglang_plugin.factory import create_hiradix_cache
 
     return create_hiradix_cache(ctx)

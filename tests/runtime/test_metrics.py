@@ -84,6 +84,7 @@ def test_counters_advance_by_deltas_and_gauges_follow_the_tree():
     stats.prefetch_tokens["started"] = 48
     stats.storage_hit_tokens["ahead"] = 32
     stats.admission_skips = 2
+    stats.streamed_tokens = 96
     op = types.SimpleNamespace(kind=types.SimpleNamespace(name="PREFETCH"))
     for _ in range(2):  # the same totals twice: counted once
         m.update(stats, books(wasted_prefetch_tokens=16, dropped_tokens=[0, 16, 0, 0], ops={1: op},
@@ -97,6 +98,7 @@ def test_counters_advance_by_deltas_and_gauges_follow_the_tree():
     assert got[("sglang:hiradix_storage_hit_tokens_total", (("read", "at_admission"),))] == 0
     assert got[("sglang:hiradix_dropped_tokens_total", (("tier", "DRAM"),))] == 16
     assert got[("sglang:hiradix_admission_skips_total", ())] == 2
+    assert got[("sglang:hiradix_streamed_tokens_total", ())] == 96
     assert got[("sglang:hiradix_partial_page_tokens_total", ())] == 0  # none given
     assert got[("sglang:hiradix_tier_used_tokens", (("tier", "NVMe"),))] == 480
     assert got[("sglang:hiradix_tier_used_bytes", (("tier", "NVMe"),))] == 30 * PAGE_BYTES
