@@ -159,7 +159,9 @@ def _cold_tiers(flag: str, value: Any) -> tuple[str, ...]:
 
 FLAGS: tuple[FlagSpec, ...] = (
     FlagSpec("dram_gb", "dram_bytes", float, 4.0, ("DRAM tier per scheduler process (TP rank), in GB (1e9 bytes); an MLA model under TP: per node, "
-             "one copy its ranks share."),
+             "one copy its ranks share. Every page to or from NVMe and the store passes through it: a history "
+             "larger than DRAM comes back in parts, each promoted to HBM before the next is read; one turn larger "
+             "than DRAM is not written down (size DRAM at several times your longest turn)."),
              "GB", convert=_gb_to_bytes),
     FlagSpec("dram_ratio", "dram_ratio", float, None,
              "DRAM tier as a multiple of the device KV pool's bytes (like --hicache-ratio); "

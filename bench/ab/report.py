@@ -167,6 +167,7 @@ def system_figures(run: SystemRun) -> dict:
         "startup_s": run.startup_s, "workload_s": run.workload_s,
         "host_reserved_bytes": host_reserved_bytes(run.system, m),
         "cpu_ms_per_request": cpu_ms_per_request(run),
+        "admission_per_request": admission_per_request(m.admission, len(run.records)),
     }  # fmt: skip
 
 
@@ -176,6 +177,29 @@ def cpu_ms_per_request(run: SystemRun) -> Optional[dict]:
     if not run.cpu or not run.records:
         return None
     return {role: 1e3 * sum(c.get(role, 0.0) for c in run.cpu) / len(run.records) for role in server_cpu.ROLES}
+
+
+def admission_per_request(counters: dict, requests: int) -> Optional[dict]:
+    """Per request of the workload: ms from arrival to admission in SGLang's queue (`queue_ms`), ms
+    hiradix held it by cause (`held_ms`), held requests' share and admission skips; None without
+    SGLang's queue time."""
+    if "queue_s" not in counters or not requests:
+        return None
+    held = {k.split(":", 1)[1]: 1e3 * v / requests for k, v in counters.items() if k.startswith("held_s:")}
+    return {"queue_ms": 1e3 * counters["queue_s"] / requests, "held_ms": held,
+            "held_share": counters["held_requests"] / requests if "held_requests" in counters else None,
+            "admission_skips": counters["admission_skips"] / requests if "admission_skips" in counters else None}
+
+
+def admission_line(name: str, per_request: Optional[dict]) -> Optional[str]:
+    if per_request is None:
+        return None
+    line = f"{name}: arrival to admission per request: {per_request['queue_ms']:.1f} ms queued (SGLang's queue time)"
+    if per_request["held_share"] is not None:
+        causes = ", ".join(f"{cause} {ms:.1f}" for cause, ms in per_request["held_ms"].items())
+        line += (f", of it held for reads (ms): {causes}; {per_request['held_share']:.0%} of requests held, "
+                 f"{per_request['admission_skips']:.1f} admission skips each")
+    return line
 
 
 def cpu_line(name: str, per_request: Optional[dict]) -> Optional[str]:
@@ -257,9 +281,10 @@ def format_table(runs: Sequence[SystemRun]) -> str:
         host = host_bytes_line(run.system.name, f["host_reserved_bytes"])
         if host is not None:
             lines.append(host)
-        cpu = cpu_line(run.system.name, f["cpu_ms_per_request"])
-        if cpu is not None:
-            lines.append(cpu)
+        for line in (cpu_line(run.system.name, f["cpu_ms_per_request"]),
+                     admission_line(run.system.name, f["admission_per_request"])):
+            if line is not None:
+                lines.append(line)
     for run in runs[1:]:
         same, compared = identical_fraction(runs[0].records, run.records)
         lines.append(f"token-identical outputs {run.system.name} vs {names[0]}: {same}/{compared}"

@@ -23,6 +23,17 @@ from typing import Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 TTFT_HISTOGRAM = "sglang:time_to_first_token_seconds"
+# Where a request's time from arrival to admission goes: SGLang's queue time (every system; it
+# includes hiradix's holds), hiradix's holds by cause and its admission skips (loop iterations that
+# held a request). Sample name (label value or None) -> key in MetricsSnapshot.admission.
+ADMISSION_COUNTERS = {
+    ("sglang:queue_time_seconds_sum", None): "queue_s",
+    ("sglang:queue_time_seconds_count", None): "queued_requests",
+    ("sglang:hiradix_held_requests_total", None): "held_requests",
+    ("sglang:hiradix_admission_skips_total", None): "admission_skips",
+    **{("sglang:hiradix_admission_wait_seconds_total", cause): f"held_s:{cause}"
+       for cause in ("nvme_read", "store_read", "dram_room", "store_lookup")},
+}
 TIER_USED_TOKENS = "sglang:hiradix_tier_used_tokens"  # gauge per tier (hiradix/runtime/metrics.py)
 RESERVED_BYTES = "sglang:hiradix_reserved_bytes"  # gauge per tier and TP rank (hiradix/runtime/metrics.py)
 
@@ -36,6 +47,7 @@ class MetricsSnapshot:
     ttft_buckets: dict = field(default_factory=dict)  # le (s, inf for +Inf) -> cumulative count
     available: bool = False  # False: /metrics did not answer or lacked the counters
     reserved_bytes: dict = field(default_factory=dict)  # tier -> hiradix's host bytes, sum over TP ranks ({}: none)
+    admission: dict = field(default_factory=dict)  # ADMISSION_COUNTERS' keys -> value ({}: none reported)
 
     @property
     def prefill_tokens(self) -> float:
@@ -70,6 +82,10 @@ def parse_snapshot(text: str) -> MetricsSnapshot:
             elif sample.name == RESERVED_BYTES:
                 tier = sample.labels.get("tier", "")
                 snap.reserved_bytes[tier] = snap.reserved_bytes.get(tier, 0.0) + sample.value
+            else:
+                key = ADMISSION_COUNTERS.get((sample.name, sample.labels.get("cause")))
+                if key is not None:
+                    snap.admission[key] = snap.admission.get(key, 0.0) + sample.value
     return snap
 
 
@@ -90,6 +106,7 @@ def delta(after: MetricsSnapshot, before: MetricsSnapshot) -> MetricsSnapshot:
         {le: n - before.ttft_buckets.get(le, 0.0) for le, n in after.ttft_buckets.items()},
         after.available and before.available,
         dict(after.reserved_bytes),
+        {k: v - before.admission.get(k, 0.0) for k, v in after.admission.items()},
     )
 
 
@@ -102,6 +119,8 @@ def total(snapshots: Sequence[MetricsSnapshot]) -> MetricsSnapshot:
         out.cached_tokens += s.cached_tokens
         for le, n in s.ttft_buckets.items():
             out.ttft_buckets[le] = out.ttft_buckets.get(le, 0.0) + n
+        for k, v in s.admission.items():
+            out.admission[k] = out.admission.get(k, 0.0) + v
     return out
 
 

@@ -10,12 +10,12 @@ finished (:class:`~hiradix.core.ports.RankAgreement`, once per :meth:`TierContro
 Work of one kind is its own object: reads into DRAM (:mod:`hiradix.core.dram_reads`) and how long
 admissions wait for them (:mod:`hiradix.core.read_waits`), the NVMe link (demotions, restart
 persistence, its switch: :mod:`hiradix.core.nvme_link`), the store link (lookups, job outcomes:
-:mod:`hiradix.core.store_link`; its policy: :mod:`hiradix.core.store_tier`), deferred backups
-and the graceful stop. The controller orders the work between them. The simulator assembles it
+:mod:`hiradix.core.store_link`; its policy: :mod:`hiradix.core.store_tier`), the copies of HBM
+pages into DRAM (:mod:`hiradix.core.backups`) and the graceful stop. The controller orders the work between them. The simulator assembles it
 over data-less ports (:func:`hiradix.testing.sim_ports.simulated_controller`): the same decisions.
 
 Where it blocks the scheduler thread, briefly: a write-back eviction with DRAM full of pages on
-their way to NVMe waits for stores to land, at most ``DEMOTION_WAIT_S`` (TP = 1 only); the
+their way to NVMe waits for stores to land, at most ``backups.DEMOTION_WAIT_S`` (TP = 1 only); the
 durable NVMe index is appended to and fsynced about once a second (:meth:`NvmeJournal.sync`);
 after a stop, :meth:`drain` waits for writes in flight, at most ``--hiradix-stop-timeout-s``.
 """
@@ -26,7 +26,7 @@ import logging
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from hiradix.core.deferred_backups import DeferredBackups
+from hiradix.core.backups import DramBackups
 from hiradix.core.dram_reads import DramReads
 from hiradix.core.graceful_stop import GracefulStop, StopReport
 from hiradix.core.ledger import Kind, TierBooks
@@ -46,11 +46,7 @@ from hiradix.core.tree import TieredRadixTree
 
 logger = logging.getLogger(__name__)
 
-# An HBM eviction that needs DRAM room waits at most this long for stores in flight.
-DEMOTION_WAIT_S = 0.2
 SUMMARY_EVERY_S = 10.0  # one log line of occupancy this often
-# Selective write-through backs up a node once used again: its insert counts 1 in hit_count.
-SELECTIVE_MIN_HITS = 2
 
 
 class TierController:
@@ -77,7 +73,8 @@ class TierController:
         low = int(DRAM_FREE_LOW * books.dram.capacity) if plan.dram_free_low_pages is None else plan.dram_free_low_pages
         self.placement = Placement(tree, books, books.dram.capacity if plan.dram_staging else low)  # staging: all go
         self.stats = TierStats()
-        self.deferred_backups = DeferredBackups()  # write-through backups DRAM had no room for yet
+        wait = (lambda timeout_s: self._apply_results_now(self.client.wait(timeout_s))) if self.sync.size == 1 else None
+        self.backups = DramBackups(plan, books, self.placement, mover, clock, wait, lambda: self._reap(self.mover.flush()))
         self.reads_ahead = returns.ReadAhead(books.dram.capacity, self.stats.read_ahead_tokens)  # predicted returns
         self.waits = ReadWaits(books.new_op_id, clock)  # how long admissions wait for reads and lookups
         self._local_done: dict[int, int] = {}  # finished here, not yet agreed: op id -> outcome
@@ -101,30 +98,6 @@ class TierController:
         """Call ``release`` when the controller closes (resources the assembly made)."""
         self._on_close.append(release)
 
-    # ------------------------------------------------------------ backups
-    def after_insert(self, new_nodes: list[TreeNode]) -> None:
-        """Write-through: start DRAM backups of nodes that just took HBM slots."""
-        if not self.plan.write_through:
-            return
-        nodes = [n for n in new_nodes if n.alive and not n.in_tier(Tier.DRAM) and n.in_tier(Tier.HBM)]
-        if self.plan.write_selective:
-            nodes = [n for n in nodes if n.hit_count >= SELECTIVE_MIN_HITS]
-        if nodes and not self._open_backup(nodes):
-            self.deferred_backups.defer(nodes)  # DRAM full of copies on their way to NVMe: later
-
-    def _open_backup(self, nodes: list[TreeNode]) -> bool:
-        """Open and start a write-through backup of ``nodes``; False if DRAM has no room now."""
-        op = self.placement.prepare(Kind.BACKUP, nodes)
-        if op is None:
-            return False
-        self.mover.backup(op)
-        return True
-
-    def after_hit(self, nodes: list[TreeNode]) -> None:
-        """Selective write-through only: back up the HBM-only nodes a request just hit again."""
-        if self.plan.write_selective:
-            self.after_insert(nodes)
-
     # ------------------------------------------------------------ HBM eviction
     def evict_hbm(self, num_tokens: int) -> list[Any]:
         """Free at least ``num_tokens`` HBM tokens, writing last copies back to DRAM first.
@@ -134,32 +107,11 @@ class TierController:
         """
         self._reap(self.mover.flush())  # pending copies pin HBM slots; land them first
         left: list[TreeNode] = []
-        backup = (lambda n: n.hit_count >= SELECTIVE_MIN_HITS and self._backup_now(n)) if self.plan.write_selective else self._backup_now
-        freed = self.placement.evict_hbm(num_tokens, backup=backup, left=left)
+        freed = self.placement.evict_hbm(num_tokens, backup=self.backups.for_eviction(), left=left)
         self.nvme.store_last_copies()  # what just became DRAM-only starts down to NVMe now
         if self.store is not None:
             self.store.note_left_hbm(left)
         return freed
-
-    def _backup_now(self, node: TreeNode) -> bool:
-        """Write-back: copy a last HBM copy to DRAM synchronously; False if DRAM has no room.
-
-        Eviction must always make progress, so DRAM may drop its own last copies here
-        (least valuable first by the policy) even while NVMe has room.
-        """
-        op = self.placement.prepare(Kind.BACKUP, [node])
-        deadline_s = self.clock() + DEMOTION_WAIT_S
-        # Waiting on I/O results outside the per-step agreement would let TP ranks diverge.
-        while op is None and self.sync.size == 1 and self.books.in_flight(Kind.DEMOTE) and self.clock() < deadline_s:
-            # DRAM is full of last copies on their way to NVMe: let some land (bounded).
-            self._apply_results_now(self.client.wait(deadline_s - self.clock()))
-            op = self.placement.prepare(Kind.BACKUP, [node])
-        op = op or self.placement.prepare(Kind.BACKUP, [node], allow_drop=True)
-        if op is None:
-            return False
-        self.mover.backup(op)
-        self._reap(self.mover.flush())
-        return node.in_tier(Tier.DRAM)
 
     # ------------------------------------------------------------ load back
     def load_back(self, nodes: list[TreeNode], hbm_slots: Any) -> tuple[dict[Tier, int], dict[Tier, int]]:
@@ -261,7 +213,7 @@ class TierController:
                 self.store_link.apply_lookup(op_id, finished[op_id])
             else:
                 self._apply(op_id, finished[op_id])
-        self.deferred_backups.retry(self._open_backup)  # the room the landed demotions made
+        self.backups.retry_deferred()  # the room the landed demotions made
         if self.stop.agreed:
             return  # stopping: no new transfer below DRAM; the caller drains those in flight (drain)
         if self.client is not None:
@@ -304,7 +256,7 @@ class TierController:
 
     def summary(self) -> str:
         """One line of tier occupancy and counters, for logs."""
-        return occupancy_line(self.tree.tier_tokens, self.books, self.stats, self.store, self.deferred_backups)
+        return occupancy_line(self.tree.tier_tokens, self.books, self.stats, self.store, self.backups.deferred)
 
     def _apply_results_now(self, results: list) -> None:
         """Single rank only: apply I/O results now (no agreement needed)."""
@@ -338,7 +290,7 @@ class TierController:
             self.store.reset()
         self.waits.reset()
         self.reads_ahead.reset()
-        self.deferred_backups.clear()
+        self.backups.deferred.clear()
         if self.journal is not None:
             self.journal.landed.clear()  # nodes of the old tree (their paths end at the old root)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from hiradix.core.hold_times import HoldTimes
 from hiradix.core.node import Tier, TreeMatch, TreeNode
 from hiradix.core.tree import TieredRadixTree
 
@@ -33,6 +34,7 @@ class QueuedKey:
     nodes: tuple = ()
     matched_len: int = -1
     wait_op: Optional[int] = None  # pseudo op id bounding this request's whole wait (ReadWaits.request_pending)
+    holds: Optional[HoldTimes] = None  # how long admission held it, by cause (set at its first hold)
 
 
 def peek(tree: TieredRadixTree, key: QueuedKey) -> TreeMatch:

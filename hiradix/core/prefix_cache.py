@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from hiradix.core.controller import TierController
 from hiradix.core.dram_stream import DramStream
+from hiradix.core.hold_times import HoldTimes
 from hiradix.core.lookahead import QueuedKey, QueueView, peek, plan
 from hiradix.core.node import IntegrityError, Tier, TreeMatch, TreeNode
 from hiradix.core.ledger import Kind
@@ -116,7 +117,7 @@ class TieredPrefixCache:
         m = self.tree.match(tokens, namespace)
         if self.tiers is not None:
             if m.hbm_len and self.tiers.plan.write_selective:
-                self.tiers.after_hit(m.stage(Tier.HBM))
+                self.tiers.backups.after_hit(m.stage(Tier.HBM))
             self._start_reads(m, tokens, namespace, ahead=False)
             self.streamed = None
             if self.stream.promote_first(m) and self._promote_held(m):  # a history larger than DRAM
@@ -163,28 +164,50 @@ class TieredPrefixCache:
         (no DRAM room; the next attempt's :meth:`match` tries again), or a store lookup of what
         follows it is in flight. Within ``load_timeout_s`` only; afterwards it runs with what is
         ready (and recomputes the rest). Pass the request's :class:`QueuedKey` (the one the
-        look-ahead keeps) to reuse its last peek: O(path nodes) instead of O(tokens) per attempt."""
+        look-ahead keeps) to reuse its last peek: O(path nodes) instead of O(tokens) per attempt;
+        its holds are then timed by cause (:mod:`hiradix.core.hold_times`)."""
         tiers = self.tiers
         if tiers is None:
             return False
+        per_request = isinstance(tokens, QueuedKey)  # the request's own key: its whole wait is bounded
         lower = self.tree.tier_tokens[Tier.NVME] or self.tree.tier_tokens[Tier.STORE]
         if not (lower or tiers.books.in_flight() or (tiers.store is not None and tiers.store.lookups)):
-            return False
-        per_request = isinstance(tokens, QueuedKey)  # the request's own key: its whole wait is bounded
-        key = tokens if per_request else QueuedKey(tokens, namespace)
-        tokens, namespace = key.tokens, key.namespace
-        m = peek(self.tree, key)
-        wait = False
-        for tier in (Tier.NVME, Tier.STORE):
+            cause = None
+        else:
+            key = tokens if per_request else QueuedKey(tokens, namespace)
+            cause = self._hold_cause(key)
+            if cause is not None and per_request and not tiers.waits.request_pending(key, self.load_timeout_s):
+                cause = None  # however often its reads restart (ReadWaits.request_pending)
+        if per_request and (cause is not None or tokens.holds is not None):
+            self._time_hold(tokens, cause)
+        tiers.stats.admission_skips += cause is not None
+        self.held_for_reads |= cause is not None
+        return cause is not None
+
+    def _hold_cause(self, key: QueuedKey) -> Optional[str]:
+        """Why admission should hold this request now (a cause of :mod:`hiradix.core.hold_times`), or None."""
+        tiers, m = self.tiers, peek(self.tree, key)
+        causes = []  # every wait is asked (each starts its deadline at the first attempt); the first names the hold
+        for tier, read in ((Tier.NVME, "nvme_read"), (Tier.STORE, "store_read")):
             if m.length(tier) and (tier == Tier.NVME or tiers.store_read_worth(m.length(tier))):
                 stage = m.stage(tier)
-                wait |= tiers.waits.any_pending(stage, self.load_timeout_s) or tiers.waits.unread_pending(stage, self.load_timeout_s)
-        wait |= tiers.lookup_pending(m, tokens, namespace, self.load_timeout_s)
-        if wait and per_request:  # however often its reads restart (ReadWaits.request_pending)
-            wait = tiers.waits.request_pending(key, self.load_timeout_s)
-        tiers.stats.admission_skips += wait
-        self.held_for_reads |= wait
-        return wait
+                if tiers.waits.any_pending(stage, self.load_timeout_s):
+                    causes.append(read)
+                elif tiers.waits.unread_pending(stage, self.load_timeout_s):
+                    causes.append("dram_room")
+        if tiers.lookup_pending(m, key.tokens, key.namespace, self.load_timeout_s):
+            causes.append("store_lookup")
+        return causes[0] if causes else None
+
+    def _time_hold(self, key: QueuedKey, cause: Optional[str]) -> None:
+        """Charge the time since the request's last hold to that hold's cause (TierStats)."""
+        if key.holds is None:
+            key.holds = HoldTimes()
+        charged, seconds, first = key.holds.attempt(self.tiers.clock(), cause)
+        stats = self.tiers.stats
+        if charged is not None:
+            stats.admission_wait_s[charged] += seconds
+        stats.held_requests += first
 
     def load_back(self, start: TreeNode, end: TreeNode, num_tokens: int) -> LoadBack:
         """Promote the DRAM nodes below ``start`` down to ``end`` into new HBM slots (all or none).
@@ -278,7 +301,7 @@ class TieredPrefixCache:
         if dup_len > protected_len:
             self.device.free(slots[protected_len:dup_len])
         if self.tiers is not None:
-            self.tiers.after_insert(new_nodes)
+            self.tiers.backups.after_insert(new_nodes)
         key_len = len(tokens) - len(tokens) % self.tree.page_size
         return key_len, last
 

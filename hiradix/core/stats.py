@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from hiradix.core.hold_times import CAUSES as HOLD_CAUSES
 from hiradix.core.ledger import Kind, TierBooks
 from hiradix.core.node import Tier
 
@@ -32,6 +33,8 @@ class TierStats:
         read_ahead_tokens: reads for predicted returns (``hiradix.core.returns``), in tokens:
             started, used (a request loaded them from DRAM), wasted (left DRAM unused).
         admission_skips: times admission skipped a request waiting for its NVMe or store reads.
+        admission_wait_s: seconds requests were held at admission, by cause
+            (:mod:`hiradix.core.hold_times`); ``held_requests``: requests held at least once.
         streamed_tokens: tokens promoted to HBM while their request still waited for the rest of a
             history larger than DRAM (:mod:`hiradix.core.dram_stream`).
         restored_pages: NVMe pages re-indexed from the durable index at start.
@@ -44,6 +47,8 @@ class TierStats:
     store_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STORE_OUTCOMES, 0))
     read_ahead_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(READ_AHEAD_OUTCOMES, 0))
     admission_skips: int = 0
+    admission_wait_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(HOLD_CAUSES, 0.0))
+    held_requests: int = 0
     streamed_tokens: int = 0
     restored_pages: int = 0
 

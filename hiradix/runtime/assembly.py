@@ -308,6 +308,36 @@ def build_tiers(
     device = device_buffers(kv_pool, layout)[0][0].device
     if device.type == "cuda":
         dram.pin_for_cuda()  # False (one warning): the pool stays pageable and copies stay correct
+    below = _below_dram(config, layout, dram, shm_dir, (tp_rank, group_rank, tp_group), page_size, identity, shared,
+                        io_backend)
+    nvme_slots, lock_fd, index, pages, key_prefix, client = below
+    books = TierBooks(tree, dram_pages, nvme_slots)
+    loader = LayerwiseLoader(layout.num_layers, device, counter_factory)
+    barrier = (lambda: torch.distributed.barrier(group=tp_group)) if shared else None
+    mover = _host_mover(config, kv_pool, dram, loader, writes_dram=owner, flush_barrier=barrier)
+    journal = IndexJournal(index, tree) if index is not None else None
+    if not owner and nvme_slots > 0 and identity is not None:
+        journal = ReplicaJournal()  # the owner persists; this rank keeps the same books
+    plan = tier_plan(config, layout, dram, nvme_slots, key_prefix, owner, store_retry_s)
+    tiers = TierController(tree, books, mover, client, plan, sync=RankSync(tp_group) if multi_rank else None,
+                           journal=journal)
+    for release in (dram.close, lambda: shutil.rmtree(shm_dir, ignore_errors=True),
+                    index.close if index is not None else None, (lambda: os.close(lock_fd)) if lock_fd >= 0 else None):
+        if release is not None:
+            tiers.on_close(release)
+    if index is not None or not owner:  # a rank that maps the owner's copy restores the owner's pages
+        tiers.stats.restored_pages = restore(tree, books, pages)
+    _log_tiers(plan, config, dram.path, key_prefix, shared, owner)
+    return tiers, loader
+
+
+def _below_dram(config: Any, layout: KVLayout, dram: DramPool, shm_dir: Path, ranks: tuple, page_size: int,
+                identity: Optional[dict], shared: bool, io_backend: str) -> tuple:
+    """The NVMe tier (its slots, lock, durable index and persisted pages), the store's key prefix
+    and the I/O client of one rank (``ranks``: TP rank, rank in the group, the group); on a rank
+    that maps the owner's host copy, the owner's NVMe books without a directory, and no worker."""
+    tp_rank, group_rank, tp_group = ranks
+    owner = not shared or group_rank == OWNER_RANK
     if owner:
         nvme_dir, nvme_slots, lock_fd, index, pages = _nvme_tier(config, layout, tp_rank, page_size, identity, shared)
     else:  # the owner's NVMe tier: same slots in the books, no directory here
@@ -322,28 +352,15 @@ def build_tiers(
         client = start_worker(dram, nvme_dir, nvme_slots, shm_dir, io_backend, keep=index is not None and index.reused,
                               store_backend=config.store_backend or "", store_config=config.store_config,
                               tp_rank=tp_rank, store_writer=is_store_writer(layout, group_rank), config=config)
-    books = TierBooks(tree, dram_pages, nvme_slots)
-    loader = LayerwiseLoader(layout.num_layers, device, counter_factory)
-    barrier = (lambda: torch.distributed.barrier(group=tp_group)) if shared else None
-    mover = _host_mover(config, kv_pool, dram, loader, writes_dram=owner, flush_barrier=barrier)
-    journal = IndexJournal(index, tree) if index is not None else None
-    if not owner and nvme_slots > 0 and identity is not None:
-        journal = ReplicaJournal()  # the owner persists; this rank keeps the same books
-    plan = tier_plan(config, layout, dram, nvme_slots, key_prefix, owner, store_retry_s)
-    tiers = TierController(tree, books, mover, client, plan, sync=RankSync(tp_group) if multi_rank else None,
-                           journal=journal)
-    tiers.on_close(dram.close)
-    tiers.on_close(lambda: shutil.rmtree(shm_dir, ignore_errors=True))
-    if index is not None or not owner:  # a rank that maps the owner's copy restores the owner's pages
-        tiers.stats.restored_pages = restore(tree, books, pages)
-    if index is not None:
-        tiers.on_close(index.close)
-    if lock_fd >= 0:
-        tiers.on_close(lambda: os.close(lock_fd))
+    return nvme_slots, lock_fd, index, pages, key_prefix, client
+
+
+def _log_tiers(plan: Any, config: Any, dram_path: str, key_prefix: Optional[str], shared: bool, owner: bool) -> None:
+    """One log line of what :func:`build_tiers` made."""
+    cold = cold_tiers_of(config)
     logger.info("hiradix tiers: DRAM %d pages (%d B each) at %s; NVMe %d slots (%d B pages); cluster store %s%s%s",
-                plan.dram.capacity_pages, plan.dram.page_bytes, dram.path, plan.nvme_slots,
+                plan.dram.capacity_pages, plan.dram.page_bytes, dram_path, plan.nvme_slots,
                 plan.page_bytes_by_tier[Tier.NVME],
                 f"{config.store_backend} (keys {key_prefix}*)" if key_prefix else "off",
                 "" if not shared else f"; one host copy per node, {'owned' if owner else 'mapped'} by this rank",
-                f"; {config.cold_format} pages in {', '.join(cold_tiers_of(config))}" if cold_tiers_of(config) else "")
-    return tiers, loader
+                f"; {config.cold_format} pages in {', '.join(cold)}" if cold else "")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from hiradix.core.ledger import Kind
+from hiradix.core.hold_times import CAUSES as HOLD_CAUSES
 from hiradix.core.stats import PREFETCH_OUTCOMES, READ_AHEAD_OUTCOMES, STORAGE_HIT_READS
 
 TIERS = ("HBM", "DRAM", "NVMe", "store")  # label values of `tier`, fastest first (core Tier order)
@@ -69,6 +70,9 @@ SERIES: tuple[Series, ...] = (
            "Reads for predicted returns (predictive policy) by outcome", "outcome", READ_AHEAD_OUTCOMES),
     Series("sglang:hiradix_dropped_tokens_total", "counter", "Tokens that left their last tier (lost)", "tier", TIERS),
     Series("sglang:hiradix_admission_skips_total", "counter", "Admissions skipped while the request's NVMe reads ran"),
+    Series("sglang:hiradix_admission_wait_seconds_total", "counter",
+           "Seconds requests were held at admission for their NVMe or store parts, by cause", "cause", HOLD_CAUSES),
+    Series("sglang:hiradix_held_requests_total", "counter", "Requests admission held at least once for their reads"),
     Series("sglang:hiradix_streamed_tokens_total", "counter",
            "Tokens promoted to HBM while their request waited for the rest of a history larger than DRAM"),
     Series("sglang:hiradix_lookahead_window_requests", "gauge", "Waiting requests the look-ahead window inspected"),
@@ -188,6 +192,9 @@ class TierMetrics:
             self._advance("sglang:hiradix_dropped_tokens_total", value, tier)
         self._advance("sglang:hiradix_admission_skips_total", stats.admission_skips)
         self._advance("sglang:hiradix_streamed_tokens_total", stats.streamed_tokens)
+        self._advance("sglang:hiradix_held_requests_total", stats.held_requests)
+        for cause, seconds in stats.admission_wait_s.items():
+            self._advance("sglang:hiradix_admission_wait_seconds_total", seconds, cause)
         for tier, tokens, size in zip(TIERS, tier_tokens, self.tier_page_bytes):
             self._set("sglang:hiradix_tier_used_tokens", tokens, tier)
             self._set("sglang:hiradix_tier_used_bytes", tokens // self.page_size * size, tier)

@@ -269,6 +269,38 @@ def test_host_bytes_are_reported_for_hiradix_systems_only():
     assert ab_report.host_bytes_line("x", lacking) == "x: host bytes reserved by hiradix: DRAM - MB, NVMe - MB (sum over TP ranks)"
 
 
+ADMISSION_TEXT = "\n".join([
+    "# TYPE sglang:queue_time_seconds histogram",
+    "sglang:queue_time_seconds_sum 3.0",
+    "sglang:queue_time_seconds_count 20.0",
+    "# TYPE sglang:hiradix_admission_wait_seconds_total counter",
+    'sglang:hiradix_admission_wait_seconds_total{cause="nvme_read"} 1.5',
+    'sglang:hiradix_admission_wait_seconds_total{cause="dram_room"} 0.5',
+    "# TYPE sglang:hiradix_held_requests_total counter",
+    "sglang:hiradix_held_requests_total 4.0",
+    "# TYPE sglang:hiradix_admission_skips_total counter",
+    "sglang:hiradix_admission_skips_total 30.0", ""])
+
+
+def test_arrival_to_admission_is_split_by_cause_per_request():
+    """SGLang's queue time for every system; hiradix's holds by cause, its held share and admission
+    skips where it reports them; a delta of two snapshots counts only the measured requests."""
+    before = server_metrics.parse_snapshot(ADMISSION_TEXT.replace("3.0", "1.0").replace("30.0", "10.0"))
+    after = server_metrics.parse_snapshot(ADMISSION_TEXT)
+    d = server_metrics.delta(after, before)
+    assert d.admission["queue_s"] == 2.0 and d.admission["admission_skips"] == 20.0
+    assert d.admission["held_s:nvme_read"] == 0.0 and d.admission["held_s:dram_room"] == 0.0
+    per = ab_report.admission_per_request(after.admission, 10)
+    assert per["queue_ms"] == pytest.approx(300.0) and per["held_share"] == pytest.approx(0.4)
+    assert per["held_ms"] == {"nvme_read": pytest.approx(150.0), "dram_room": pytest.approx(50.0)}
+    assert ab_report.admission_line("hiradix", per) == (
+        "hiradix: arrival to admission per request: 300.0 ms queued (SGLang's queue time), of it held for reads (ms): "
+        "nvme_read 150.0, dram_room 50.0; 40% of requests held, 3.0 admission skips each")
+    stock = ab_report.admission_per_request(server_metrics.parse_snapshot(ADMISSION_TEXT.split("# TYPE sglang:hiradix")[0]).admission, 10)
+    assert ab_report.admission_line("stock", stock) == "stock: arrival to admission per request: 300.0 ms queued (SGLang's queue time)"
+    assert ab_report.admission_per_request({}, 10) is None  # no queue time reported
+
+
 def test_start_servers_gives_every_server_the_tp_size(monkeypatch, tmp_path):
     started = []
 

@@ -197,13 +197,13 @@ def test_a_write_through_backup_dram_had_no_room_for_is_shared_once_demotions_la
     assert a.tree.tier_tokens[Tier.NVME] == 0 and a.tiers.books.dram.num_free == 0
     a.serve(second)  # write-through finds DRAM full of last copies: deferred
     node = a.tree.match(second, split=False).nodes[-1]
-    assert node.tiers() == [Tier.HBM] and len(a.tiers.deferred_backups) == 1
+    assert node.tiers() == [Tier.HBM] and len(a.tiers.backups.deferred) == 1
     settle(a)
     assert node.tiers() == [Tier.HBM] and len(store) == 3  # still no room: nothing dropped, nothing lost
     clock.advance_to(clock() + 3.5)  # the demotion landed: its DRAM copy goes (DRAM is short)
     settle(a)
     assert node.tiers() == [Tier.HBM, Tier.DRAM, Tier.STORE] and len(store) == 6
-    assert len(a.tiers.deferred_backups) == 0 and a.tiers.deferred_backups.opened_nodes == 1
+    assert len(a.tiers.backups.deferred) == 0 and a.tiers.backups.deferred.opened_nodes == 1
     assert a.tree.tier_tokens[Tier.NVME] == 6
 
 

@@ -204,7 +204,7 @@ def dram_only(tree, tiers, keys: list[list[int]]) -> list:
     for key in keys:
         _, node, new = tree.insert(key, list(range(slot, slot + len(key))))
         slot += len(key)
-        tiers.after_insert(new)
+        tiers.backups.after_insert(new)
         nodes.append(node)
     tiers.step()  # backups land
     tiers.evict_hbm(slot)  # -> DRAM only; demotions start

@@ -47,7 +47,7 @@ class Cache:
         """A node backed up to DRAM, on its way to NVMe."""
         tiers = self.tiers
         _, node, _ = tiers.tree.insert([1, 2, 3, 4], list(range(4)))
-        tiers.after_insert([node])
+        tiers.backups.after_insert([node])
         tiers.step()  # the backup lands
         op = tiers.placement.prepare(Kind.DEMOTE, [node])
         tiers.nvme.submit_store(op)

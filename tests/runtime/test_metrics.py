@@ -69,7 +69,7 @@ def test_every_series_is_exported_from_the_start():
 
 
 def test_names_follow_sglang_conventions():
-    units = ("_tokens", "_bytes", "_requests", "_nodes", "_pages", "_transfers", "_in_flight", "_enabled", "_offs", "_per_s")
+    units = ("_tokens", "_bytes", "_requests", "_nodes", "_pages", "_transfers", "_in_flight", "_enabled", "_offs", "_per_s", "_seconds")
     for s in SERIES:
         assert re.fullmatch(r"sglang:hiradix_[a-z_]+", s.name), s.name
         assert s.name.endswith("_total") == (s.type == "counter"), s.name
@@ -85,6 +85,8 @@ def test_counters_advance_by_deltas_and_gauges_follow_the_tree():
     stats.storage_hit_tokens["ahead"] = 32
     stats.admission_skips = 2
     stats.streamed_tokens = 96
+    stats.admission_wait_s["nvme_read"] = 1.25
+    stats.held_requests = 3
     op = types.SimpleNamespace(kind=types.SimpleNamespace(name="PREFETCH"))
     for _ in range(2):  # the same totals twice: counted once
         m.update(stats, books(wasted_prefetch_tokens=16, dropped_tokens=[0, 16, 0, 0], ops={1: op},
@@ -99,6 +101,9 @@ def test_counters_advance_by_deltas_and_gauges_follow_the_tree():
     assert got[("sglang:hiradix_dropped_tokens_total", (("tier", "DRAM"),))] == 16
     assert got[("sglang:hiradix_admission_skips_total", ())] == 2
     assert got[("sglang:hiradix_streamed_tokens_total", ())] == 96
+    assert got[("sglang:hiradix_admission_wait_seconds_total", (("cause", "nvme_read"),))] == 1.25
+    assert got[("sglang:hiradix_admission_wait_seconds_total", (("cause", "dram_room"),))] == 0
+    assert got[("sglang:hiradix_held_requests_total", ())] == 3
     assert got[("sglang:hiradix_partial_page_tokens_total", ())] == 0  # none given
     assert got[("sglang:hiradix_tier_used_tokens", (("tier", "NVMe"),))] == 480
     assert got[("sglang:hiradix_tier_used_bytes", (("tier", "NVMe"),))] == 30 * PAGE_BYTES
