@@ -85,12 +85,12 @@ class DramReads:
         if background:
             self.reads_ahead.started(op.op_id, len(op.src_ids))
             self.stats.read_ahead_tokens["started"] += tokens
+        priority = READ_BACKGROUND if background else READ_QUEUED if ahead else READ_AT_ADMISSION
         if kind == Kind.PREFETCH:
-            priority = READ_BACKGROUND if background else READ_QUEUED if ahead else READ_AT_ADMISSION
             self.client.submit_load(op.op_id, op.src_ids, op.dst_ids, priority=priority)
             self.stats.prefetch_tokens["started"] += tokens
         else:
-            self.client.submit_get(op.op_id, op.src_ids, op.dst_ids)
+            self.client.submit_get(op.op_id, op.src_ids, op.dst_ids, priority=priority)
         # A look-ahead read may start deep in the queue: its request's wait (the timeout)
         # starts only when the request reaches admission (ReadWaits.any_pending).
         self.waits.start(op.op_id, timeout_s, waits_now=not (ahead or background), deadline_s=deadline_s)

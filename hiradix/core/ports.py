@@ -120,8 +120,10 @@ class IOClient(Protocol):
         """Queue a copy of DRAM pages into the cluster store under ``keys`` (pairwise, in order)."""
         ...
 
-    def submit_get(self, job_id: int, keys: Sequence[str], dram_pages: Sequence[int]) -> None:
-        """Queue a read of store objects into DRAM pages (pairwise; checksums verified)."""
+    def submit_get(self, job_id: int, keys: Sequence[str], dram_pages: Sequence[int],
+                   priority: int = READ_AT_ADMISSION) -> None:
+        """Queue a read of store objects into DRAM pages (pairwise; checksums verified). Lookups
+        run first, then GETs of a smaller ``priority``, then PUTs."""
         ...
 
     def submit_exists(self, job_id: int, keys: Sequence[str]) -> None:

@@ -299,9 +299,9 @@ class IOWorkerClient:
         """:meth:`submit` a ``PutStore`` job (DRAM pages -> cluster store)."""
         self.submit(PutStore(job_id, list(dram_pages), list(keys)))
 
-    def submit_get(self, job_id: int, keys: list[str], dram_pages: list[int]) -> None:
-        """:meth:`submit` a ``GetStore`` job (cluster store -> DRAM pages)."""
-        self.submit(GetStore(job_id, list(keys), list(dram_pages)))
+    def submit_get(self, job_id: int, keys: list[str], dram_pages: list[int], priority: int = 0) -> None:
+        """:meth:`submit` a ``GetStore`` job (cluster store -> DRAM pages); see its ``priority``."""
+        self.submit(GetStore(job_id, list(keys), list(dram_pages), priority=priority))
 
     def submit_exists(self, job_id: int, keys: list[str]) -> None:
         """:meth:`submit` a ``QueryStore`` job (which keys the cluster store holds)."""

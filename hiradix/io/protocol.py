@@ -112,11 +112,14 @@ class GetStore(_Msg, frozen=True, tag=True):
         job_id: Caller-chosen id, unique among the caller's in-flight jobs, >= 0.
         keys: Store keys to read, no duplicates.
         dram_pages: DRAM page ids to write, in [0, num_dram_pages), no duplicates, same length.
+        priority: as ``LoadPages.priority``; the worker's store pool runs waiting lookups
+            (``QueryStore``) first, then GETs in this order, then PUTs.
     """
 
     job_id: int
     keys: list[str]
     dram_pages: list[int]
+    priority: int = 0
 
 
 class QueryStore(_Msg, frozen=True, tag=True):
@@ -281,6 +284,8 @@ def _validate_store_job(job: StoreJob, num_dram_pages: int, has_store: bool) -> 
         return ""
     if len(job.dram_pages) != len(job.keys):
         return f"{len(job.dram_pages)} dram_pages but {len(job.keys)} keys"
+    if isinstance(job, GetStore) and not PRIORITY_ADMISSION <= job.priority <= PRIORITY_BACKGROUND:
+        return f"priority must be in [{PRIORITY_ADMISSION}, {PRIORITY_BACKGROUND}], got {job.priority}"
     return _check_ids(("dram_pages", job.dram_pages, num_dram_pages))
 
 

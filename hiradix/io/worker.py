@@ -11,7 +11,8 @@ on a thread pool of ``spec.threads`` so reads and writes overlap, and ``PutStore
 ``QueryStore`` on a pool of their own (``spec.store_threads``), one ``JobDone`` per job. The NVMe
 pool takes its waiting jobs by priority (``LoadPages.priority``: reads a request waits for, then
 reads for queued requests, then writes and reads for predicted returns), so a read near
-admission never queues behind background writes. Every
+admission never queues behind background writes; the store pool likewise (:func:`store_priority`:
+lookups, then GETs by ``GetStore.priority``, then PUTs). Every
 store call is bounded by the backend's own RPC timeout (``--hiradix-store-config``); a call that
 runs past ``spec.store_call_limit_s`` anyway (a wedged client: Mooncake's TCP transport can
 deadlock inside a put) makes the worker exit with ``WEDGED_STORE_EXIT_CODE``, as the only way to
@@ -68,7 +69,7 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
 
@@ -78,6 +79,7 @@ from hiradix.io.faults import CRASH_LOG_NAME, FaultInjector, Faults, JobPlan
 from hiradix.io.queues import PriorityExecutor
 from hiradix.io.faults import FAULT_EXIT_CODE, FAULTS_ENV  # noqa: F401 - re-exported (tests, callers)
 from hiradix.io.protocol import (
+    PRIORITY_ADMISSION,
     PRIORITY_BACKGROUND,
     GetStore,
     Job,
@@ -115,6 +117,14 @@ STORE_CALL_LIMIT_MIN_S = 10.0  # the derived store call limit is at least this, 
 STORE_CALL_LIMIT_FACTOR = 4.0  # ... and at least this many times the backend's call_deadline_s
 COLD_CHUNK_PAGES = 32  # pages a compressed tier encodes or decodes per step (scratch per thread)
 STOP_MARGIN_S = 5.0  # after SIGTERM, the worker waits this long past spec.stop_timeout_s for Shutdown
+
+
+def store_priority(job: PutStore | GetStore | QueryStore) -> int:
+    """The store pool's order: lookups (a request waits for their answer), then GETs by their own
+    priority (admission, queued, predicted return), then PUTs (nobody waits for them)."""
+    if isinstance(job, QueryStore):
+        return PRIORITY_ADMISSION - 1
+    return job.priority if isinstance(job, GetStore) else PRIORITY_BACKGROUND + 1
 
 
 class Worker:
@@ -176,7 +186,7 @@ class Worker:
         self.ctx = zmq.Context.instance()
         self.requests = PullQueue(self.ctx, jobs_addr, decode_request)
         self.executor = PriorityExecutor(spec.threads, thread_name_prefix="hiradix-io")
-        self.store_executor = ThreadPoolExecutor(spec.store_threads, thread_name_prefix="hiradix-store")
+        self.store_executor = PriorityExecutor(spec.store_threads, thread_name_prefix="hiradix-store")
         self.store_call_limit_s = spec.store_call_limit_s or _derived_call_limit_s(self.cluster)
         self.stop = threading.Event()  # set by Shutdown: cuts fault delays short
         self.lock = threading.Lock()  # guards in_flight
@@ -253,7 +263,7 @@ class Worker:
             self.replies.put(Rejected(job_id=msg.job_id, reason=reason))
             return
         if isinstance(msg, (PutStore, GetStore, QueryStore)):
-            future = self.store_executor.submit(self._run_store, msg)
+            future = self.store_executor.submit(store_priority(msg), self._run_store, msg)
         else:
             plan = self.faults.on_arrival(msg)  # may crash or truncate the file (fault switch)
             priority = msg.priority if isinstance(msg, LoadPages) else PRIORITY_BACKGROUND

@@ -147,7 +147,7 @@ class ReplicaIOClient:
     def submit_put(self, job_id: int, dram_pages: Sequence[int], keys: Sequence[str]) -> None:
         self._complete(job_id, len(dram_pages))
 
-    def submit_get(self, job_id: int, keys: Sequence[str], dram_pages: Sequence[int]) -> None:
+    def submit_get(self, job_id: int, keys: Sequence[str], dram_pages: Sequence[int], priority: int = 0) -> None:
         self._complete(job_id, len(dram_pages))
 
     def submit_exists(self, job_id: int, keys: Sequence[str]) -> None:

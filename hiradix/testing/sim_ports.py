@@ -266,8 +266,8 @@ class SimIOClient:
         """Queue a DRAM -> store PUT on the store's write channel."""
         self._queue("store_write", PutStore(job_id, list(dram_pages), list(keys)), len(keys))
 
-    def submit_get(self, job_id: int, keys: Sequence[str], dram_pages: Sequence[int]) -> None:
-        """Queue a store -> DRAM GET on the store's read channel."""
+    def submit_get(self, job_id: int, keys: Sequence[str], dram_pages: Sequence[int], priority: int = 0) -> None:
+        """Queue a store -> DRAM GET on the store's read channel (in order: ``priority`` is not simulated)."""
         self._queue("store_read", GetStore(job_id, list(keys), list(dram_pages)), len(keys))
 
     def submit_exists(self, job_id: int, keys: Sequence[str]) -> None:

@@ -12,8 +12,10 @@ import msgspec
 import pytest
 
 from hiradix.io.client import IOWorkerClient
-from hiradix.io.protocol import PRIORITY_ADMISSION, PRIORITY_BACKGROUND, PRIORITY_QUEUED, StorePages
+from hiradix.io.protocol import (PRIORITY_ADMISSION, PRIORITY_BACKGROUND, PRIORITY_QUEUED, GetStore, PutStore,
+                                 QueryStore, StorePages, validate_job)
 from hiradix.io.queues import PriorityExecutor
+from hiradix.io.worker import store_priority
 from tests.helpers.io import WAIT_S, fill, wait_for
 
 
@@ -91,3 +93,13 @@ def test_worker_runs_a_read_before_queued_writes(spec, pool, monkeypatch):
         assert all(ok == [True] for _, ok in order)
     finally:
         client.close()
+
+
+def test_the_store_pool_runs_lookups_then_gets_by_priority_then_puts():
+    """Issue 31: a lookup or a GET a request waits for never queues behind PUTs (one FIFO pool
+    before); GETs carry the read's priority, and a priority outside the range is refused."""
+    jobs = [PutStore(1, [0], ["p"]), GetStore(2, ["b"], [1], priority=PRIORITY_BACKGROUND),
+            GetStore(3, ["q"], [2], priority=PRIORITY_QUEUED), QueryStore(4, ["x"]), GetStore(5, ["a"], [3])]
+    assert [job.job_id for job in sorted(jobs, key=store_priority)] == [4, 5, 3, 2, 1]
+    assert validate_job(GetStore(6, ["a"], [0], priority=PRIORITY_BACKGROUND + 1), 8, 8, True).startswith("priority")
+    assert validate_job(GetStore(6, ["a"], [0], priority=PRIORITY_QUEUED), 8, 8, True) == ""
