@@ -105,8 +105,8 @@ def comparisons(runs: Sequence[SystemRun]) -> list[dict]:
         if dup and dup in by_name:
             out.append({**compare(run, by_name[dup]), "kind": "aa"})
             continue
-        out.append({**compare(run, base), "kind": "vs-baseline"})
-        if ideal is not None and run is not ideal:
+        out.append({**compare(run, base), "kind": "vs-ideal" if base is ideal else "vs-baseline"})
+        if ideal is not None and run is not ideal and ideal is not base:
             out.append({**compare(run, ideal), "kind": "vs-ideal"})
         if hicache is not None and hicache is not base and "--enable-hiradix" in run.system.server_args:
             out.append({**compare(run, hicache), "kind": "vs-hicache"})

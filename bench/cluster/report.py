@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from bench.ab.report import identical_fraction
+from bench.ab.report import admission_line, admission_per_request, identical_fraction
 from bench.common.multiturn import write_records
 from bench.common.server_metrics import histogram_quantile
 from bench.common.stats import LEVEL, RESAMPLES, bootstrap_ci
@@ -151,7 +151,17 @@ def system_summary(name: str, results: Sequence, urls: Sequence[str], reference:
         "router_ttft": router_ttft(results, name), "router_duration": router_ttft(results, name, "duration_buckets"),
         "identical_to_reference": [same, compared],
         "workload_s": sum(res.workload_s for res in results),
+        "admission_per_request": admission_per_request(_admission(results, name), len(records)),
     }  # fmt: skip
+
+
+def _admission(results: Sequence, name: str) -> dict:
+    """A system's arrival-to-admission counters summed over the repetitions ({}: none recorded)."""
+    out: dict = {}
+    for res in results:
+        for k, v in getattr(res, "admission", {}).get(name, {}).items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
 def build_report(results: Sequence, names: Sequence[str], worker_urls: dict) -> dict:
@@ -227,6 +237,10 @@ def format_report(report: dict) -> str:
                  "per server / imb = the router's requests per worker and max/mean; router = smg_router_ttft_seconds "
                  "p50/p99 ms (n/a: not exposed); dur = smg_router_request_duration_seconds p50/p99 ms (all turns; it ends "
                  "when a stream starts); same = outputs token-identical to the reference")  # fmt: skip
+    for s in report["systems"]:
+        line = admission_line(s["system"], s.get("admission_per_request"))
+        if line is not None:
+            lines.append(line)
     if not any(s["router_ttft"]["available"] for s in report["systems"]):
         lines.append("router TTFT: smg exposed no smg_router_ttft_seconds samples for these (streaming chat) requests")
     errors = sum(s["errors"] for s in report["systems"])

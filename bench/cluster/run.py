@@ -77,7 +77,7 @@ from bench.cluster.systems import (DEFAULT_SYSTEMS, REFERENCE, SECOND_SYSTEMS, S
                                    check_server_budget, parse_systems)
 from bench.common.conversations import Session
 from bench.common.multiturn import WorkloadConfig
-from bench.common.server_metrics import fetch_metrics
+from bench.common.server_metrics import fetch_metrics, parse_snapshot
 
 logger = logging.getLogger("bench.cluster.run")
 
@@ -106,6 +106,7 @@ class RepeatResult:
     records: list[ClusterRecord]
     router: dict  # system name -> fleet.RouterSnapshot (delta over the repetition)
     workload_s: float
+    admission: dict = dataclasses.field(default_factory=dict)  # system name -> server_metrics ADMISSION_COUNTERS delta
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,6 +184,7 @@ def run_repeat(fleets: Sequence[cluster_fleet.Fleet], repeat: int, sessions: Seq
         for server in fleet.servers:
             ab.warm_up(server.base_url, config.workload, config.concurrency)
     before = {f.system.name: cluster_fleet.router_snapshot(f.router) for f in fleets}
+    admission_before = {f.system.name: fleet_admission(f) for f in fleets}
     names = [f.system.name for f in fleets]
     order = names[repeat % len(names):] + names[: repeat % len(names)]
     urls = {f.system.name: f.router.base_url for f in fleets}
@@ -197,7 +199,21 @@ def run_repeat(fleets: Sequence[cluster_fleet.Fleet], repeat: int, sessions: Seq
                                      dataclasses.replace(config, repeat=repeat), progress))  # fmt: skip
     workload_s = time.perf_counter() - t0
     router = {f.system.name: cluster_fleet.router_snapshot(f.router).minus(before[f.system.name]) for f in fleets}
-    return RepeatResult([to_cluster_record(r) for r in records], router, workload_s)
+    admission = {}
+    for f in fleets:
+        start = admission_before[f.system.name]
+        admission[f.system.name] = {k: v - start.get(k, 0.0) for k, v in fleet_admission(f).items()}
+    return RepeatResult([to_cluster_record(r) for r in records], router, workload_s, admission)
+
+
+def fleet_admission(fleet: cluster_fleet.Fleet) -> dict:
+    """The arrival-to-admission counters (`bench.common.server_metrics.ADMISSION_COUNTERS`) summed over
+    a fleet's servers now."""
+    out: dict = {}
+    for server in fleet.servers:
+        for k, v in parse_snapshot(fetch_metrics(server.base_url)).admission.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
 def flush_best_effort(fleets: Sequence[cluster_fleet.Fleet], timeout_s: float = 15.0) -> list[str]:

@@ -85,7 +85,8 @@ class TierController:
         self.store: Optional[StoreTier] = None
         if plan.store is not None:
             assert client is not None, "the store's jobs run in the I/O worker"
-            reads = StoreReadChoice(plan.store_read, plan.hbm_page_bytes / tree.page_size, tree.page_size)
+            reads = StoreReadChoice(plan.store_read, plan.hbm_page_bytes / tree.page_size, tree.page_size,
+                                    skip_lookups=self.sync.size == 1)  # under TP the ranks ask the same lookups
             self.store = StoreTier(tree, books, self.placement, client, plan.store.key_prefix, plan.store_write_policy,
                                    clock, retry_s=plan.store_retry_s, reads=reads)
         self.reads = DramReads(tree, books, self.placement, client, self.waits, self.reads_ahead, self.stats, self.store,

@@ -20,8 +20,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from hiradix.core.controller import TierController
 from hiradix.core.dram_stream import DramStream
-from hiradix.core.hold_times import HoldTimes
-from hiradix.core.lookahead import QueuedKey, QueueView, peek, plan
+from hiradix.core.admission_holds import AdmissionHolds
+from hiradix.core.lookahead import QueuedKey, QueueView, plan
 from hiradix.core.node import IntegrityError, Tier, TreeMatch, TreeNode
 from hiradix.core.ledger import Kind
 from hiradix.core.partial_pages import PartialPage
@@ -101,6 +101,7 @@ class TieredPrefixCache:
         self.streamed: Optional[tuple[int, LoadBack]] = None  # what the last match promoted early
         dram_pages = tiers.books.dram.capacity if tiers is not None else 0
         self.stream = DramStream(tree.page_size, dram_pages)
+        self.holds = AdmissionHolds(tree, tiers, load_timeout_s) if tiers is not None else None
         self.last_view: Optional[QueueView] = None
         # Admission skipped a request for its reads since the last step: a scheduler with nothing
         # to run may then block on the I/O results (wait_for_reads) instead of spinning.
@@ -159,55 +160,16 @@ class TieredPrefixCache:
             self.tiers.lookup(m, tokens, namespace, self.load_timeout_s, ahead=ahead)
 
     def should_wait(self, tokens: Key | QueuedKey, namespace: Namespace = None) -> bool:
-        """Whether admission should skip this request for now, because part of its prefix is on
-        NVMe or in the store and not yet in DRAM: its read is in flight, or could not start yet
-        (no DRAM room; the next attempt's :meth:`match` tries again), or a store lookup of what
-        follows it is in flight. Within ``load_timeout_s`` only; afterwards it runs with what is
-        ready (and recomputes the rest). Pass the request's :class:`QueuedKey` (the one the
-        look-ahead keeps) to reuse its last peek: O(path nodes) instead of O(tokens) per attempt;
-        its holds are then timed by cause (:mod:`hiradix.core.hold_times`)."""
-        tiers = self.tiers
-        if tiers is None:
+        """Whether admission should skip this request for now (:meth:`AdmissionHolds.hold`): part of
+        its prefix is on NVMe or in the store and not yet in DRAM, within ``load_timeout_s``. Pass
+        the request's :class:`QueuedKey` (the one the look-ahead keeps) to reuse its last peek and
+        time its holds by cause."""
+        if self.tiers is None:
             return False
-        per_request = isinstance(tokens, QueuedKey)  # the request's own key: its whole wait is bounded
-        lower = self.tree.tier_tokens[Tier.NVME] or self.tree.tier_tokens[Tier.STORE]
-        if not (lower or tiers.books.in_flight() or (tiers.store is not None and tiers.store.lookups)):
-            cause = None
-        else:
-            key = tokens if per_request else QueuedKey(tokens, namespace)
-            cause = self._hold_cause(key)
-            if cause is not None and per_request and not tiers.waits.request_pending(key, self.load_timeout_s):
-                cause = None  # however often its reads restart (ReadWaits.request_pending)
-        if per_request and (cause is not None or tokens.holds is not None):
-            self._time_hold(tokens, cause)
-        tiers.stats.admission_skips += cause is not None
-        self.held_for_reads |= cause is not None
-        return cause is not None
-
-    def _hold_cause(self, key: QueuedKey) -> Optional[str]:
-        """Why admission should hold this request now (a cause of :mod:`hiradix.core.hold_times`), or None."""
-        tiers, m = self.tiers, peek(self.tree, key)
-        causes = []  # every wait is asked (each starts its deadline at the first attempt); the first names the hold
-        for tier, read in ((Tier.NVME, "nvme_read"), (Tier.STORE, "store_read")):
-            if m.length(tier) and (tier == Tier.NVME or tiers.store_read_worth(m.length(tier))):
-                stage = m.stage(tier)
-                if tiers.waits.any_pending(stage, self.load_timeout_s):
-                    causes.append(read)
-                elif tiers.waits.unread_pending(stage, self.load_timeout_s):
-                    causes.append("dram_room")
-        if tiers.lookup_pending(m, key.tokens, key.namespace, self.load_timeout_s):
-            causes.append("store_lookup")
-        return causes[0] if causes else None
-
-    def _time_hold(self, key: QueuedKey, cause: Optional[str]) -> None:
-        """Charge the time since the request's last hold to that hold's cause (TierStats)."""
-        if key.holds is None:
-            key.holds = HoldTimes()
-        charged, seconds, first = key.holds.attempt(self.tiers.clock(), cause)
-        stats = self.tiers.stats
-        if charged is not None:
-            stats.admission_wait_s[charged] += seconds
-        stats.held_requests += first
+        held = self.holds.hold(tokens if isinstance(tokens, QueuedKey) else QueuedKey(tokens, namespace),
+                               per_request=isinstance(tokens, QueuedKey))
+        self.held_for_reads |= held
+        return held
 
     def load_back(self, start: TreeNode, end: TreeNode, num_tokens: int) -> LoadBack:
         """Promote the DRAM nodes below ``start`` down to ``end`` into new HBM slots (all or none).

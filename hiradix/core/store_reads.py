@@ -135,7 +135,7 @@ class StoreReadChoice:
     """
 
     def __init__(self, mode: str, bytes_per_token: float, page_size: int, min_samples: int = MIN_SAMPLES,
-                 probe_every: int = PROBE_EVERY_SKIPS):
+                 probe_every: int = PROBE_EVERY_SKIPS, skip_lookups: bool = False):
         if mode not in READ_MODES:
             raise ValueError(f"store read mode must be one of {list(READ_MODES)}, got {mode!r}")
         if bytes_per_token <= 0 or page_size < 1 or probe_every < 1:
@@ -148,6 +148,10 @@ class StoreReadChoice:
         self.probe_every = probe_every
         self.read = DecayedRate()  # store -> DRAM, bytes/s
         self.prefill = PrefillRate()  # tokens/s
+        self.lookup = DecayedRate()  # lookups answered per second of their round trip (1 / mean round trip)
+        self.skip_lookups = skip_lookups
+        self.skipped_lookups = 0  # lookups not asked: the tail recomputes faster than the round trip
+        self._lookups_since_probe = 0
         self.skipped_pages = 0  # pages found in the store and recomputed instead (auto, never)
         self.probes = 0  # reads made although they looked slower (auto)
         self._skips_since_probe = 0
@@ -165,6 +169,28 @@ class StoreReadChoice:
     def note_prefill(self, tokens: int, seconds: float) -> None:
         """An extend batch prefilled ``tokens`` in ``seconds``."""
         self.prefill.add(tokens, seconds)
+
+    def note_lookup(self, seconds: float) -> None:
+        """A lookup took ``seconds`` from its start to its agreed answer (what an admission waits)."""
+        self.lookup.add(1.0, seconds)
+
+    def lookup_worth(self, tail_tokens: int) -> bool:
+        """Whether to ask the store for a tail of ``tail_tokens`` after a local match: recomputing it
+        takes longer than the measured lookup round trip (a request waits for that answer at
+        admission, then for the read). Always before both are measured, and without
+        ``skip_lookups`` (TP: every rank must ask the same lookups); one skip in ``probe_every`` asks
+        anyway, keeping the round trip measured. Counts the lookups skipped."""
+        if not self.reads_store:
+            return False
+        measured = self.lookup.samples >= self.min_samples and self.prefill.samples >= self.min_samples
+        if not self.skip_lookups or not measured or tail_tokens / self.prefill.per_s >= 1.0 / self.lookup.per_s:
+            return True
+        self._lookups_since_probe += 1
+        if self._lookups_since_probe >= self.probe_every:
+            self._lookups_since_probe = 0
+            return True
+        self.skipped_lookups += 1
+        return False
 
     @property
     def measured(self) -> bool:

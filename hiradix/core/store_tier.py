@@ -87,6 +87,7 @@ class Lookup:
     namespace: Optional[tuple]
     keys: list[str]  # one per page
     first_hash: bytes  # page hash of the first page: identifies the lookup
+    started_s: float = 0.0  # when it was asked (its round trip is measured at its agreed answer)
 
 
 class StoreTier:
@@ -221,10 +222,12 @@ class StoreTier:
             return None
         ps, end = self.tree.page_size, m.matched_len
         whole = end + (len(tokens) - end) // ps * ps
+        if not self.reads.lookup_worth(whole - end):  # recomputing the tail is faster than asking
+            return None
         tail = list(tokens[end : min(whole, end + MAX_LOOKUP_PAGES * ps)])
         parent = m.nodes[-1] if m.nodes else self.tree.root
         keys = self.keys(chain(prefix_hash(self.tree.root, parent, ps), namespace, tail, ps))
-        lookup = Lookup(self.books.new_op_id(), parent, tail, namespace, keys, first)
+        lookup = Lookup(self.books.new_op_id(), parent, tail, namespace, keys, first, self.clock())
         self.lookups[lookup.op_id] = lookup
         self._by_hash[first] = lookup
         self.client.submit_exists(lookup.op_id, keys)
@@ -261,6 +264,7 @@ class StoreTier:
         lookup = self.lookups.pop(op_id, None)
         if lookup is None:
             return None
+        self.reads.note_lookup(self.clock() - lookup.started_s)
         self._by_hash.pop(lookup.first_hash, None)
         self.counts["lookup_found_pages"] += found_pages
         read_pages = found_pages if read_pages is None else min(read_pages, found_pages)

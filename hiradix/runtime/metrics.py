@@ -87,6 +87,9 @@ SERIES: tuple[Series, ...] = (
     Series("sglang:hiradix_store_pages_total", "counter", "Cluster-store pages by operation", "op", STORE_OPS),
     Series("sglang:hiradix_store_used_tokens_total", "counter", "Tokens read from the cluster store and promoted to HBM"),
     Series("sglang:hiradix_store_switch_offs_total", "counter", "Times the cluster store was switched off after failures"),
+    Series("sglang:hiradix_store_lookup_skips_total", "counter",
+           "Store lookups not asked: the tail recomputes faster than a lookup's measured round trip (TP 1)"),
+    Series("sglang:hiradix_store_lookup_seconds", "gauge", "Moving estimate of a store lookup's round trip (0 before one)"),
     Series("sglang:hiradix_store_enabled", "gauge", "1 while the cluster store is in use, 0 when absent or switched off"),
     Series("sglang:hiradix_store_read_bytes_per_s", "gauge",
            "Moving estimate of the cluster store's read bandwidth into DRAM (0 before a GET)"),
@@ -216,6 +219,9 @@ class TierMetrics:
                 count = store.reads.skipped_pages if op == "skipped_slow" else store.counts[_STORE_COUNT[op]]
                 self._advance("sglang:hiradix_store_pages_total", count, op)
             self._advance("sglang:hiradix_store_switch_offs_total", store.counts["switch_offs"])
+            self._advance("sglang:hiradix_store_lookup_skips_total", store.reads.skipped_lookups)
+        lookups_per_s = store.reads.lookup.per_s if store is not None else None
+        self._set("sglang:hiradix_store_lookup_seconds", 1.0 / lookups_per_s if lookups_per_s else 0.0)
         # exported from the start like every series (0 without a store or before a sample)
         self._set("sglang:hiradix_store_read_bytes_per_s", (store.reads.read.per_s if store is not None else 0.0) or 0.0)
         self._set("sglang:hiradix_prefill_tokens_per_s", (store.reads.prefill.per_s if store is not None else 0.0) or 0.0)

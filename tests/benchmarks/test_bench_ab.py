@@ -174,6 +174,17 @@ def test_verdict_lines_read_at_a_glance():
     assert not any(line.startswith(("stock2 prefill", "stock prefill")) for line in lines)
 
 
+def test_an_ideal_baseline_is_compared_once_and_still_judged_as_the_ideal():
+    """With the ideal first (`--systems ideal,hiradix,...`), hiradix vs ideal is printed once, not
+    as the baseline and again as the ideal, and the target against the ideal is still judged."""
+    runs = _runs(factor_aa=1.0, jitter=False)
+    runs = [runs[1], runs[2], runs[0]]  # ideal, hiradix, stock
+    lines = ab_report.verdict_lines(runs)
+    assert len(lines) == len(set(lines)), lines
+    assert lines.count("hiradix vs ideal, turns >= 2: TTFT 1.20x [1.20, 1.20] (n=24)") == 1
+    assert {t["target"] for t in ab_report.targets(runs)} >= {"hiradix vs ideal <= 1.1x"}
+
+
 def test_biased_run_is_flagged_in_table_and_verdict():
     runs = _runs(factor_aa=1.4)
     table = ab_report.format_table(runs)

@@ -187,6 +187,23 @@ def test_report_figures_per_system_and_targets():
     assert met == {"hit": True, "imbalance": True, "p99": True}  # 384 >= 0.95 x 256; 1.0; 250 < 500 ms
     text = cluster_report.format_report(report)
     assert "hiradix:round_robin" in text and "4/4" in text and "MISSED" not in text and "n/a" in text
+    assert hiradix["admission_per_request"] is None  # no /metrics counters recorded
+
+
+def test_report_splits_arrival_to_admission_by_cause_per_system():
+    results = _results()
+    results[0].admission = {"hiradix:round_robin": {"queue_s": 0.8, "queued_requests": 8, "held_requests": 2,
+                                                    "admission_skips": 4, "held_s:store_lookup": 0.2,
+                                                    "held_s:store_read": 0.4},
+                            "stock:cache_aware": {"queue_s": 0.16, "queued_requests": 8}}
+    report = cluster_report.build_report(results, list(URLS), URLS)
+    by = {s["system"]: s for s in report["systems"]}
+    assert by["hiradix:round_robin"]["admission_per_request"]["held_ms"] == {"store_lookup": pytest.approx(25.0),
+                                                                             "store_read": pytest.approx(50.0)}
+    text = cluster_report.format_report(report)
+    assert ("hiradix:round_robin: arrival to admission per request: 100.0 ms queued (SGLang's queue time), of it held "
+            "for reads (ms): store_lookup 25.0, store_read 50.0; 25% of requests held, 0.5 admission skips each") in text
+    assert "stock:cache_aware: arrival to admission per request: 20.0 ms queued (SGLang's queue time)" in text
 
 
 def test_targets_are_missed_with_the_measured_figures():

@@ -178,3 +178,43 @@ def test_under_tp_the_tree_path_reads_unless_never(pair):
     assert a.tiers.store_read_worth(6)
     a.tiers.store.reads = StoreReadChoice("never", BYTES_PER_TOKEN, PS)
     assert not a.tiers.store_read_worth(6)
+
+
+# ------------------------------------------------------------------ lookups worth asking
+def test_a_tail_that_recomputes_faster_than_a_lookup_is_not_asked():
+    """Issue 31 (fleet: 98% of hiradix's requests waited ~17 ms for a lookup of their new turn,
+    which the tiny model prefills in ~5 ms): at 1,000 tokens/s and lookups of 50 ms, a tail of
+    fewer than 50 tokens is recomputed without asking; longer ones, or before both estimates have
+    their samples, or under TP (skip_lookups off), are asked; one skip in probe_every asks anyway."""
+    choice = measured("always", read_bytes_per_s=320e3, skip_lookups=True, probe_every=3)
+    assert choice.lookup_worth(10)  # no lookup measured yet
+    for _ in range(3):
+        choice.note_lookup(0.05)
+    assert choice.lookup.per_s == pytest.approx(20.0)
+    assert choice.lookup_worth(60) and choice.lookup_worth(50)  # 50-60 ms of prefill >= 50 ms
+    assert [choice.lookup_worth(20) for _ in range(6)] == [False, False, True, False, False, True]
+    assert choice.skipped_lookups == 4
+    tp = measured("always", read_bytes_per_s=320e3)  # skip_lookups off: every rank asks the same lookups
+    for _ in range(3):
+        tp.note_lookup(0.05)
+    assert tp.lookup_worth(2) and tp.skipped_lookups == 0
+    assert not measured("never", read_bytes_per_s=1.0, skip_lookups=True).lookup_worth(1000)
+
+
+def test_a_skipped_lookup_admits_the_request_at_once_and_its_round_trip_is_measured():
+    clock, store = SimClock(), SimStore()
+    a, b = Server(store, clock, query_s=0.05), Server(store, clock, query_s=0.05)
+    b.tiers.store.reads = measured("always", read_bytes_per_s=320e3, skip_lookups=True)
+    for tag in range(3):  # three lookups of b's, each answered 50 ms later: the round trip is measured
+        b.cache.match(keys(10 + tag, pages=4))
+        assert b.cache.should_wait(keys(10 + tag, pages=4))
+        clock.advance_to(clock() + 0.05)
+        settle(b, steps=1)
+    assert b.tiers.store.reads.lookup.samples == 3 and 1 / b.tiers.store.reads.lookup.per_s == pytest.approx(0.05)
+    prompt = keys(1, pages=4)
+    a.serve(prompt)
+    settle(a)
+    b.serve(prompt[: 2 * PS])  # its own 4 tokens: not asked either (4 ms of prefill < 50 ms)
+    b.cache.match(prompt)  # b has the first half: the tail is 4 tokens
+    assert not b.tiers.store.lookups and not b.cache.should_wait(prompt)  # not asked: admitted now
+    assert b.tiers.store.reads.skipped_lookups == 2

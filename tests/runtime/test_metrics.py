@@ -120,6 +120,8 @@ def test_counters_advance_by_deltas_and_gauges_follow_the_tree():
     store.reads.note_get(2e6, 0.01)  # 200 MB/s
     store.reads.note_prefill(1000, 0.1)  # 10k tokens/s: reading pays above 10 MB/s
     store.reads.skipped_pages = 7
+    store.reads.skipped_lookups = 5
+    store.reads.note_lookup(0.02)
     stats.store_tokens["used"] = 32
     m.update(stats, books(nvme_enabled=False), [0, 0, 0, 0], None, store=store)
     got = samples(registry)
@@ -130,6 +132,8 @@ def test_counters_advance_by_deltas_and_gauges_follow_the_tree():
     assert got[("sglang:hiradix_store_pages_total", (("op", "get_failed"),))] == 1
     assert got[("sglang:hiradix_store_pages_total", (("op", "put_retried"),))] == 6
     assert got[("sglang:hiradix_store_used_tokens_total", ())] == 32
+    assert got[("sglang:hiradix_store_lookup_skips_total", ())] == 5
+    assert got[("sglang:hiradix_store_lookup_seconds", ())] == pytest.approx(0.02)
     assert got[("sglang:hiradix_store_switch_offs_total", ())] == 1
     assert got[("sglang:hiradix_store_enabled", ())] == 1
     assert got[("sglang:hiradix_store_pages_total", (("op", "skipped_slow"),))] == 7

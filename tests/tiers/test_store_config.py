@@ -118,3 +118,38 @@ def test_keys_are_checked():
     for keys, pages in ((["a"], 2), ([""], 1), (["k" * 257], 1), ([3], 1)):
         with pytest.raises(ValueError):
             check_keys(keys, pages)
+
+
+def test_a_lookup_does_not_wait_for_a_transfer_running_on_another_thread():
+    """Issue 31: PUTs and GETs take the client's lock (the staging buffer); a lookup, a master RPC,
+    runs beside them, and the wedge watchdog still sees the longest call (the blocked transfer)."""
+    import threading
+
+    from hiradix.tiers.store.mooncake import MooncakeStore
+
+    release, entered = threading.Event(), threading.Event()
+
+    class FakeMooncake:
+        def batch_put_from_multi_buffers(self, keys, *args):
+            entered.set()
+            assert release.wait(10)
+            return [0] * len(keys)
+
+        def batch_is_exist(self, keys):
+            return [1] * len(keys)
+
+    store = MooncakeStore.__new__(MooncakeStore)  # the call paths only, without a Mooncake cluster
+    store.config = StoreConfig.parse(MINIMAL, FLAG)
+    store.max_batch_keys, store.error_counts, store._lock, store._running = 8, {}, threading.Lock(), {}
+    store._master_down, store._store = False, FakeMooncake()
+    put = threading.Thread(target=store._batched, args=(["a"], lambda lo, hi: (
+        [True], store._call("batch_put_from_multi_buffers", ["a"], [], []))))
+    put.start()
+    try:
+        assert entered.wait(10)
+        assert store.exists(["k1", "k2"]) == [True, True]  # while the put holds the lock
+        assert store.running_call == "batch_put_from_multi_buffers, 1 keys" and store.call_running_s() > 0.0
+    finally:
+        release.set()
+        put.join(10)
+    assert store.call_running_s() == 0.0 and store.running_call == ""

@@ -37,15 +37,20 @@ client's ``close`` joins that thread while holding the GIL, and the whole proces
 slower failure against a frozen holder (``StoreConfig.stall_s``). Whatever the transport, a
 crash ends the I/O worker: its jobs fail (misses) and a fresh worker starts, and every thread's
 Python stack is in the server's log (faulthandler). For a wedge,
-:meth:`MooncakeStore.call_running_s` says how long the running call has taken; the I/O worker
+:meth:`MooncakeStore.call_running_s` says how long the longest running call has taken; the I/O worker
 exits past its limit (its process holds the wedged client), and the I/O client fails its jobs
 and starts a fresh worker.
+
+PUTs and GETs take one lock (they share the trailer staging buffer); lookups (``exists``, a master
+RPC) do not, so a lookup a request waits for does not queue behind a transfer running on another
+thread of the I/O worker's store pool.
 
 The ``mooncake`` package is imported inside functions only, so hiradix imports without it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import logging
@@ -161,8 +166,8 @@ class MooncakeStore:
         self._lock = threading.Lock()
         self._regions: list[tuple[int, int]] = []
         self._master_down = False
-        # The Mooncake call running now: ("batch_put_from_multi_buffers, 12 keys", monotonic start).
-        self._running: Optional[tuple[str, float]] = None
+        # The Mooncake calls running now, by thread: ("batch_put_from_multi_buffers, 12 keys", monotonic start).
+        self._running: dict[int, tuple[str, float]] = {}
         os.environ.update(mooncake_env(config))
         from mooncake.store import MooncakeDistributedStore  # lazy: the wheel is optional
 
@@ -239,19 +244,25 @@ class MooncakeStore:
             ValueError: a bad key.
         """
         check_keys(keys, len(keys))
-        return self._batched(keys, lambda lo, hi: self._exists_chunk(keys[lo:hi]))
+        # A lookup is a master RPC (no transfer, no staging buffer): it does not wait for a PUT or GET
+        # running on another thread (a request waits for its answer at admission).
+        return self._batched(keys, lambda lo, hi: self._exists_chunk(keys[lo:hi]), exclusive=False)
 
     def call_running_s(self) -> float:
-        """Seconds the Mooncake call running now has taken; 0.0 when none runs. Thread-safe
-        (no lock: it is read while a call holds it)."""
-        running = self._running
+        """Seconds the longest Mooncake call running now has taken; 0.0 when none runs.
+        Thread-safe (no lock: it is read while a call holds it)."""
+        running = self._oldest_call()
         return 0.0 if running is None else max(0.0, time.monotonic() - running[1])
 
     @property
     def running_call(self) -> str:
-        """The Mooncake call running now (method and key count), '' when none. Thread-safe."""
-        running = self._running
+        """The longest Mooncake call running now (method and key count), '' when none. Thread-safe."""
+        running = self._oldest_call()
         return "" if running is None else running[0]
+
+    def _oldest_call(self) -> Optional[tuple[str, float]]:
+        calls = list(self._running.values())  # one C-level copy: safe while other threads add and remove
+        return min(calls, key=lambda call: call[1]) if calls else None
 
     def close(self) -> None:
         """Leave the store (objects in this client's own segment go with it); idempotent.
@@ -296,15 +307,16 @@ class MooncakeStore:
             out.append(address)
         return out
 
-    def _batched(self, keys: list[str], chunk_call) -> list[bool]:
-        """Run ``chunk_call(lo, hi)`` per chunk of ``max_batch_keys`` under the lock.
+    def _batched(self, keys: list[str], chunk_call, exclusive: bool = True) -> list[bool]:
+        """Run ``chunk_call(lo, hi)`` per chunk of ``max_batch_keys``, under the lock if ``exclusive``
+        (PUTs and GETs share the trailer staging buffer; lookups do not take it).
 
         After a chunk that found the master gone or silent, or a holder stalled (a transfer
         failure after ``transfer_timeout_s``), the remaining keys fail without a call, so one
         call never waits for more than one timeout.
         """
         out: list[bool] = []
-        with self._lock:
+        with self._lock if exclusive else contextlib.nullcontext():
             for lo in range(0, len(keys), self.max_batch_keys):
                 hi = min(len(keys), lo + self.max_batch_keys)
                 started = time.monotonic()
@@ -336,14 +348,15 @@ class MooncakeStore:
 
     def _call(self, method: str, *args: Any) -> Optional[list[int]]:
         keys = args[0] if args and isinstance(args[0], list) else ()
-        self._running = (f"{method}, {len(keys)} keys", time.monotonic())
+        thread = threading.get_ident()
+        self._running[thread] = (f"{method}, {len(keys)} keys", time.monotonic())
         try:
             return list(getattr(self._store, method)(*args))
         except Exception as exc:  # noqa: BLE001 - a store failure is a miss, never a crash
             logger.warning("Mooncake %s raised %s: %s", method, type(exc).__name__, exc)
             return None
         finally:
-            self._running = None
+            self._running.pop(thread, None)
 
     def _count(self, codes: list[int]) -> None:
         for code in codes:
