@@ -119,6 +119,26 @@ class PrefillRate:
         return 1.0 / slope if slope is not None else self.throughput.per_s
 
 
+class FoundShare:
+    """The decayed share of a tail's pages that store lookups found, per tail length (powers of
+    two of tokens): a new user turn is never found, a history moved from another server is.
+    ``of`` is 1.0 for a length with fewer than ``min_samples`` lookups (ask until it is known)."""
+
+    def __init__(self, decay: float = RATE_DECAY, min_samples: int = MIN_SAMPLES):
+        self.decay, self.min_samples = decay, min_samples
+        self._by_bucket: dict[int, list[float]] = {}  # bucket -> [decayed found share sum, decayed count, samples]
+
+    def add(self, tail_tokens: int, share: float) -> None:
+        entry = self._by_bucket.setdefault(max(0, int(tail_tokens)).bit_length(), [0.0, 0.0, 0])
+        entry[0] = entry[0] * self.decay + share
+        entry[1] = entry[1] * self.decay + 1.0
+        entry[2] += 1
+
+    def of(self, tail_tokens: int) -> float:
+        entry = self._by_bucket.get(max(0, int(tail_tokens)).bit_length())
+        return 1.0 if entry is None or entry[2] < self.min_samples else entry[0] / entry[1]
+
+
 class StoreReadChoice:
     """How many pages of a store hit one server reads (``--hiradix-store-read``), from its own
     measurements; counts what it skipped.
@@ -149,6 +169,7 @@ class StoreReadChoice:
         self.read = DecayedRate()  # store -> DRAM, bytes/s
         self.prefill = PrefillRate()  # tokens/s
         self.lookup = DecayedRate()  # lookups answered per second of their round trip (1 / mean round trip)
+        self.found_share = FoundShare()  # share of a tail's pages lookups found, by tail length
         self.skip_lookups = skip_lookups
         self.skipped_lookups = 0  # lookups not asked: the tail recomputes faster than the round trip
         self._lookups_since_probe = 0
@@ -170,20 +191,26 @@ class StoreReadChoice:
         """An extend batch prefilled ``tokens`` in ``seconds``."""
         self.prefill.add(tokens, seconds)
 
-    def note_lookup(self, seconds: float) -> None:
-        """A lookup took ``seconds`` from its start to its agreed answer (what an admission waits)."""
+    def note_lookup(self, seconds: float, tail_tokens: int, asked_pages: int, found_pages: int) -> None:
+        """A lookup of a ``tail_tokens`` tail took ``seconds`` from its start to its agreed answer
+        (what an admission waits) and found ``found_pages`` of the ``asked_pages`` it asked."""
         self.lookup.add(1.0, seconds)
+        if asked_pages > 0:
+            self.found_share.add(tail_tokens, found_pages / asked_pages)
 
     def lookup_worth(self, tail_tokens: int) -> bool:
-        """Whether to ask the store for a tail of ``tail_tokens`` after a local match: recomputing it
-        takes longer than the measured lookup round trip (a request waits for that answer at
-        admission, then for the read). Always before both are measured, and without
-        ``skip_lookups`` (TP: every rank must ask the same lookups); one skip in ``probe_every`` asks
-        anyway, keeping the round trip measured. Counts the lookups skipped."""
+        """Whether to ask the store for a tail of ``tail_tokens`` after a local match: the prefill it
+        can save (the tail's recompute time x the share of such tails lookups found) is at least
+        the measured lookup round trip (a request waits for that answer at admission). A new
+        user turn is never in the store; a history that moved to this server is. Always before
+        the estimates are measured, and without ``skip_lookups`` (TP: every rank must ask the same
+        lookups); one skip in ``probe_every`` asks anyway, keeping the estimates measured. Counts
+        the lookups skipped."""
         if not self.reads_store:
             return False
         measured = self.lookup.samples >= self.min_samples and self.prefill.samples >= self.min_samples
-        if not self.skip_lookups or not measured or tail_tokens / self.prefill.per_s >= 1.0 / self.lookup.per_s:
+        share = self.found_share.of(tail_tokens)
+        if not self.skip_lookups or not measured or share * tail_tokens / self.prefill.per_s >= 1.0 / self.lookup.per_s:
             return True
         self._lookups_since_probe += 1
         if self._lookups_since_probe >= self.probe_every:

@@ -88,6 +88,7 @@ class Lookup:
     keys: list[str]  # one per page
     first_hash: bytes  # page hash of the first page: identifies the lookup
     started_s: float = 0.0  # when it was asked (its round trip is measured at its agreed answer)
+    tail_tokens: int = 0  # the whole tail after the local match (``tokens`` stops at MAX_LOOKUP_PAGES)
 
 
 class StoreTier:
@@ -227,7 +228,7 @@ class StoreTier:
         tail = list(tokens[end : min(whole, end + MAX_LOOKUP_PAGES * ps)])
         parent = m.nodes[-1] if m.nodes else self.tree.root
         keys = self.keys(chain(prefix_hash(self.tree.root, parent, ps), namespace, tail, ps))
-        lookup = Lookup(self.books.new_op_id(), parent, tail, namespace, keys, first, self.clock())
+        lookup = Lookup(self.books.new_op_id(), parent, tail, namespace, keys, first, self.clock(), whole - end)
         self.lookups[lookup.op_id] = lookup
         self._by_hash[first] = lookup
         self.client.submit_exists(lookup.op_id, keys)
@@ -264,7 +265,7 @@ class StoreTier:
         lookup = self.lookups.pop(op_id, None)
         if lookup is None:
             return None
-        self.reads.note_lookup(self.clock() - lookup.started_s)
+        self.reads.note_lookup(self.clock() - lookup.started_s, lookup.tail_tokens, len(lookup.keys), found_pages)
         self._by_hash.pop(lookup.first_hash, None)
         self.counts["lookup_found_pages"] += found_pages
         read_pages = found_pages if read_pages is None else min(read_pages, found_pages)

@@ -189,23 +189,37 @@ def test_a_tail_that_recomputes_faster_than_a_lookup_is_not_asked():
     choice = measured("always", read_bytes_per_s=320e3, skip_lookups=True, probe_every=3)
     assert choice.lookup_worth(10)  # no lookup measured yet
     for _ in range(3):
-        choice.note_lookup(0.05)
+        choice.note_lookup(0.05, 1000, 8, 8)  # long tails, all found (a history moved here)
     assert choice.lookup.per_s == pytest.approx(20.0)
     assert choice.lookup_worth(60) and choice.lookup_worth(50)  # 50-60 ms of prefill >= 50 ms
     assert [choice.lookup_worth(20) for _ in range(6)] == [False, False, True, False, False, True]
     assert choice.skipped_lookups == 4
     tp = measured("always", read_bytes_per_s=320e3)  # skip_lookups off: every rank asks the same lookups
     for _ in range(3):
-        tp.note_lookup(0.05)
+        tp.note_lookup(0.05, 1000, 8, 8)
     assert tp.lookup_worth(2) and tp.skipped_lookups == 0
     assert not measured("never", read_bytes_per_s=1.0, skip_lookups=True).lookup_worth(1000)
+
+
+def test_tails_of_a_length_lookups_never_find_are_not_asked():
+    """A new user turn is never in the store (cache-aware routing: every lookup is of one); a history
+    moved from another server is. The saving a lookup can bring is the tail's prefill times the
+    share of such tails' pages found: 0 for 200-token tails here, all for 1,000-token ones."""
+    choice = measured("always", read_bytes_per_s=320e3, skip_lookups=True)
+    for _ in range(3):
+        choice.note_lookup(0.05, 200, 12, 0)  # 200-token tails: nothing found
+        choice.note_lookup(0.05, 1000, 32, 32)  # 1,000-token tails: all found
+    assert choice.found_share.of(200) == 0.0 and choice.found_share.of(1000) == 1.0
+    assert choice.found_share.of(5000) == 1.0  # no lookup of that length yet: asked
+    assert not choice.lookup_worth(200)  # 200 ms of prefill, none of it found: not asked
+    assert choice.lookup_worth(1000) and choice.lookup_worth(5000)
 
 
 def test_a_skipped_lookup_admits_the_request_at_once_and_its_round_trip_is_measured():
     clock, store = SimClock(), SimStore()
     a, b = Server(store, clock, query_s=0.05), Server(store, clock, query_s=0.05)
     b.tiers.store.reads = measured("always", read_bytes_per_s=320e3, skip_lookups=True)
-    for tag in range(3):  # three lookups of b's, each answered 50 ms later: the round trip is measured
+    for tag in range(3):  # three lookups of b's (misses), each answered 50 ms later: the round trip is measured
         b.cache.match(keys(10 + tag, pages=4))
         assert b.cache.should_wait(keys(10 + tag, pages=4))
         clock.advance_to(clock() + 0.05)

@@ -121,7 +121,7 @@ def test_counters_advance_by_deltas_and_gauges_follow_the_tree():
     store.reads.note_prefill(1000, 0.1)  # 10k tokens/s: reading pays above 10 MB/s
     store.reads.skipped_pages = 7
     store.reads.skipped_lookups = 5
-    store.reads.note_lookup(0.02)
+    store.reads.note_lookup(0.02, 100, 4, 0)
     stats.store_tokens["used"] = 32
     m.update(stats, books(nvme_enabled=False), [0, 0, 0, 0], None, store=store)
     got = samples(registry)
