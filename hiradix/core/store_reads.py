@@ -40,6 +40,7 @@ PROBE_EVERY_SKIPS = 32  # a skipped lookup in this many is read anyway (keeps th
 RATE_DECAY = 0.7  # weight left to the past per new store-read sample
 FIT_DECAY = 0.95  # weight left to the past per new prefill sample (~20 batches of memory)
 SKIP_MARGIN = 1.5  # a read is skipped only when estimated this many times slower than recomputing
+LOW_FOUND_SHARE = 0.1  # a lookup is skipped only for tails whose pages lookups (nearly) never find
 MIN_SPREAD = 0.25  # batch sizes' coefficient of variation needed to fit the prefill slope
 
 
@@ -199,18 +200,21 @@ class StoreReadChoice:
             self.found_share.add(tail_tokens, found_pages / asked_pages)
 
     def lookup_worth(self, tail_tokens: int) -> bool:
-        """Whether to ask the store for a tail of ``tail_tokens`` after a local match: the prefill it
-        can save (the tail's recompute time x the share of such tails lookups found) is at least
-        the measured lookup round trip (a request waits for that answer at admission). A new
-        user turn is never in the store; a history that moved to this server is. Always before
-        the estimates are measured, and without ``skip_lookups`` (TP: every rank must ask the same
-        lookups); one skip in ``probe_every`` asks anyway, keeping the estimates measured. Counts
-        the lookups skipped."""
+        """Whether to ask the store for a tail of ``tail_tokens`` after a local match (a request
+        waits for that answer at admission). Not asked: tails of a length whose pages lookups
+        (nearly) never find (below ``LOW_FOUND_SHARE``: under cache-aware routing the tail is the
+        new user turn, which no server has computed) and whose prefill that share could save is
+        below the measured lookup round trip. A history that moved to this server is found, and
+        asked for, whatever the rates say: a returning turn pays only for its new tokens. Always
+        asked before the estimates are measured, and without ``skip_lookups`` (TP: every rank must
+        ask the same lookups); one skip in ``probe_every`` asks anyway, keeping the estimates
+        measured. Counts the lookups skipped."""
         if not self.reads_store:
             return False
         measured = self.lookup.samples >= self.min_samples and self.prefill.samples >= self.min_samples
         share = self.found_share.of(tail_tokens)
-        if not self.skip_lookups or not measured or share * tail_tokens / self.prefill.per_s >= 1.0 / self.lookup.per_s:
+        if (not self.skip_lookups or not measured or share >= LOW_FOUND_SHARE
+                or share * tail_tokens / self.prefill.per_s >= 1.0 / self.lookup.per_s):
             return True
         self._lookups_since_probe += 1
         if self._lookups_since_probe >= self.probe_every:

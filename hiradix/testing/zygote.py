@@ -296,6 +296,13 @@ def for_env(env: dict[str, str], log_dir: Path) -> Zygote:
     return zygote
 
 
+def pids() -> set[int]:
+    """PIDs of the zygotes this process started that still run (harness processes that live as
+    long as the test process: not a leak of the test that happened to start one)."""
+    with _ZYGOTES_LOCK:
+        return {z.proc.pid for z in _ZYGOTES.values() if z.proc.poll() is None}
+
+
 @dataclasses.dataclass
 class Finished:
     """A forked process that ran to its end: exit status, output, seconds from its fork."""

@@ -181,23 +181,27 @@ def test_under_tp_the_tree_path_reads_unless_never(pair):
 
 
 # ------------------------------------------------------------------ lookups worth asking
-def test_a_tail_that_recomputes_faster_than_a_lookup_is_not_asked():
+def test_a_tail_lookups_never_find_is_not_asked_when_it_recomputes_faster_than_a_lookup():
     """Issue 31 (fleet: 98% of hiradix's requests waited ~17 ms for a lookup of their new turn,
-    which the tiny model prefills in ~5 ms): at 1,000 tokens/s and lookups of 50 ms, a tail of
-    fewer than 50 tokens is recomputed without asking; longer ones, or before both estimates have
-    their samples, or under TP (skip_lookups off), are asked; one skip in probe_every asks anyway."""
+    which no server has computed and the tiny model prefills in ~5 ms). At 1,000 tokens/s and
+    lookups of 50 ms: a 20-token tail whose length lookups never found is not asked; asked are
+    tails before both estimates have their samples, tails of a length lookups found, and every
+    tail under TP (skip_lookups off); one skip in probe_every asks anyway."""
     choice = measured("always", read_bytes_per_s=320e3, skip_lookups=True, probe_every=3)
-    assert choice.lookup_worth(10)  # no lookup measured yet
+    assert choice.lookup_worth(20)  # no lookup measured yet
     for _ in range(3):
-        choice.note_lookup(0.05, 1000, 8, 8)  # long tails, all found (a history moved here)
+        choice.note_lookup(0.05, 20, 1, 0)  # 20-token tails: never found
     assert choice.lookup.per_s == pytest.approx(20.0)
-    assert choice.lookup_worth(60) and choice.lookup_worth(50)  # 50-60 ms of prefill >= 50 ms
     assert [choice.lookup_worth(20) for _ in range(6)] == [False, False, True, False, False, True]
     assert choice.skipped_lookups == 4
+    assert choice.lookup_worth(40)  # another length, not measured: asked
+    for _ in range(3):
+        choice.note_lookup(0.05, 40, 2, 1)  # half found (a moved history's answer, a new turn)
+    assert choice.lookup_worth(40)  # 40 ms of prefill x 0.5 < 50 ms, but found: asked anyway
     tp = measured("always", read_bytes_per_s=320e3)  # skip_lookups off: every rank asks the same lookups
     for _ in range(3):
-        tp.note_lookup(0.05, 1000, 8, 8)
-    assert tp.lookup_worth(2) and tp.skipped_lookups == 0
+        tp.note_lookup(0.05, 20, 1, 0)
+    assert tp.lookup_worth(20) and tp.skipped_lookups == 0
     assert not measured("never", read_bytes_per_s=1.0, skip_lookups=True).lookup_worth(1000)
 
 
@@ -211,24 +215,21 @@ def test_tails_of_a_length_lookups_never_find_are_not_asked():
         choice.note_lookup(0.05, 1000, 32, 32)  # 1,000-token tails: all found
     assert choice.found_share.of(200) == 0.0 and choice.found_share.of(1000) == 1.0
     assert choice.found_share.of(5000) == 1.0  # no lookup of that length yet: asked
-    assert not choice.lookup_worth(200)  # 200 ms of prefill, none of it found: not asked
+    assert not choice.lookup_worth(200)  # none of it found: not asked (0 x 200 ms of prefill < 50 ms)
     assert choice.lookup_worth(1000) and choice.lookup_worth(5000)
 
 
 def test_a_skipped_lookup_admits_the_request_at_once_and_its_round_trip_is_measured():
     clock, store = SimClock(), SimStore()
-    a, b = Server(store, clock, query_s=0.05), Server(store, clock, query_s=0.05)
+    b = Server(store, clock, query_s=0.05)
     b.tiers.store.reads = measured("always", read_bytes_per_s=320e3, skip_lookups=True)
-    for tag in range(3):  # three lookups of b's (misses), each answered 50 ms later: the round trip is measured
+    for tag in range(3):  # three new 8-token prompts: looked up (misses), each answered 50 ms later
         b.cache.match(keys(10 + tag, pages=4))
         assert b.cache.should_wait(keys(10 + tag, pages=4))
         clock.advance_to(clock() + 0.05)
         settle(b, steps=1)
-    assert b.tiers.store.reads.lookup.samples == 3 and 1 / b.tiers.store.reads.lookup.per_s == pytest.approx(0.05)
-    prompt = keys(1, pages=4)
-    a.serve(prompt)
-    settle(a)
-    b.serve(prompt[: 2 * PS])  # its own 4 tokens: not asked either (4 ms of prefill < 50 ms)
-    b.cache.match(prompt)  # b has the first half: the tail is 4 tokens
-    assert not b.tiers.store.lookups and not b.cache.should_wait(prompt)  # not asked: admitted now
-    assert b.tiers.store.reads.skipped_lookups == 2
+    reads = b.tiers.store.reads
+    assert reads.lookup.samples == 3 and 1 / reads.lookup.per_s == pytest.approx(0.05) and reads.found_share.of(8) == 0
+    b.cache.match(keys(20, pages=4))  # the next new prompt: not asked (8 ms of prefill, never found)
+    assert not b.tiers.store.lookups and not b.cache.should_wait(keys(20, pages=4))  # admitted now
+    assert reads.skipped_lookups == 1
