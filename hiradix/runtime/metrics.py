@@ -88,7 +88,8 @@ SERIES: tuple[Series, ...] = (
     Series("sglang:hiradix_store_used_tokens_total", "counter", "Tokens read from the cluster store and promoted to HBM"),
     Series("sglang:hiradix_store_switch_offs_total", "counter", "Times the cluster store was switched off after failures"),
     Series("sglang:hiradix_store_lookup_skips_total", "counter",
-           "Store lookups not asked: the tail recomputes faster than a lookup's measured round trip (TP 1)"),
+           "Store lookups not asked: tails of a length lookups (nearly) never find, recomputed faster than a "
+           "lookup's round trip (TP 1)"),
     Series("sglang:hiradix_store_lookup_seconds", "gauge", "Moving estimate of a store lookup's round trip (0 before one)"),
     Series("sglang:hiradix_store_enabled", "gauge", "1 while the cluster store is in use, 0 when absent or switched off"),
     Series("sglang:hiradix_store_read_bytes_per_s", "gauge",
