@@ -85,8 +85,9 @@ class TierController:
         self.store: Optional[StoreTier] = None
         if plan.store is not None:
             assert client is not None, "the store's jobs run in the I/O worker"
+            # --hiradix-store-read auto also skips lookups unlikely to pay (TP 1: ranks ask the same lookups)
             reads = StoreReadChoice(plan.store_read, plan.hbm_page_bytes / tree.page_size, tree.page_size,
-                                    skip_lookups=self.sync.size == 1)  # under TP the ranks ask the same lookups
+                                    skip_lookups=plan.store_read == "auto" and self.sync.size == 1)
             self.store = StoreTier(tree, books, self.placement, client, plan.store.key_prefix, plan.store_write_policy,
                                    clock, retry_s=plan.store_retry_s, reads=reads)
         self.reads = DramReads(tree, books, self.placement, client, self.waits, self.reads_ahead, self.stats, self.store,

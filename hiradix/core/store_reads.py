@@ -150,6 +150,7 @@ class StoreReadChoice:
         page_size: tokens per page.
         min_samples: samples each estimate needs before ``auto`` may skip.
         probe_every: one in this many skip decisions reads anyway (``auto``).
+        skip_lookups: also skip lookups unlikely to pay (:meth:`lookup_worth`; ``auto`` at TP 1).
 
     Raises:
         ValueError: unknown mode, or non-positive sizes.

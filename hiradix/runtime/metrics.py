@@ -89,7 +89,7 @@ SERIES: tuple[Series, ...] = (
     Series("sglang:hiradix_store_switch_offs_total", "counter", "Times the cluster store was switched off after failures"),
     Series("sglang:hiradix_store_lookup_skips_total", "counter",
            "Store lookups not asked: tails of a length lookups (nearly) never find, recomputed faster than a "
-           "lookup's round trip (TP 1)"),
+           "lookup's round trip (--hiradix-store-read auto, TP 1)"),
     Series("sglang:hiradix_store_lookup_seconds", "gauge", "Moving estimate of a store lookup's round trip (0 before one)"),
     Series("sglang:hiradix_store_enabled", "gauge", "1 while the cluster store is in use, 0 when absent or switched off"),
     Series("sglang:hiradix_store_read_bytes_per_s", "gauge",
