@@ -49,6 +49,22 @@ class DramStream:
             out.append(node)
         return out
 
+    def to_hold(self, m: TreeMatch) -> list[TreeNode]:
+        """The request's DRAM copies that reads for it must not drop to make room: those within the
+        first DRAM's worth of pages of its part below HBM (what can be read and promoted next), and
+        every one NVMe does not also hold. A copy further down that NVMe holds may go: it is read
+        again when its turn in the stream comes, and holding it could leave no room for the part
+        before it (a history whose first node is on NVMe only and whose later nodes fill DRAM
+        waited its whole timeout, then recomputed everything)."""
+        out, pages = [], 0
+        for node in m.nodes:
+            if node.in_tier(Tier.HBM):
+                continue
+            pages += node.num_tokens // self.page_size
+            if node.in_tier(Tier.DRAM) and (pages <= self.dram_pages or not node.in_tier(Tier.NVME)):
+                out.append(node)
+        return out
+
     def promote_first(self, m: TreeMatch) -> bool:
         """Whether to promote ``m``'s DRAM part to HBM before admission: some node below DRAM is
         not in DRAM and no read covers it (DRAM had no room for it)."""

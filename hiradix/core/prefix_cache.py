@@ -142,9 +142,8 @@ class TieredPrefixCache:
         return back.loaded
 
     def _start_reads(self, m: TreeMatch, tokens: Key, namespace: Namespace, ahead: bool) -> None:
-        # The room a read makes must not be the request's own DRAM pages (before or after the read);
-        # the DRAM copies of its HBM part may go (a history streamed through DRAM needs them to).
-        dram = [n for n in m.nodes if n.in_tier(Tier.DRAM) and not n.in_tier(Tier.HBM)] if m.nvme_len or m.store_len else []
+        # The room a read makes must not be the request's own DRAM pages it reads next (DramStream.to_hold).
+        dram = self.stream.to_hold(m) if m.nvme_len or m.store_len else []
         self.tiers.books.hold(dram, Tier.DRAM)
         try:
             if m.nvme_len and (nodes := self.stream.readable(m, Tier.NVME)):

@@ -103,3 +103,21 @@ def test_two_requests_larger_than_dram_together_are_both_served_whole():
     assert max(held for held, _ in got.values()) <= TIMEOUT_S, got
     assert not s.tiers.books.in_flight(Kind.PREFETCH)
     s.check()
+
+
+def test_later_dram_copies_that_fill_dram_make_room_for_the_first_node_on_nvme():
+    """A break-it review's case: the history's first turn is on NVMe only, its later turns are in
+    DRAM (and on NVMe) and fill DRAM. The request's own DRAM copies were all held, so the read of
+    its first turn found no room: it waited its whole timeout, then recomputed all of it. Copies
+    beyond the first DRAM's worth of its history that NVMe also holds may go now."""
+    s = server()
+    history, t = history_on_nvme(s, 1, [2, 2, 2], 0.0)  # 6 pages, DRAM 4
+    nodes = s.tree.match(history, split=False, touch=False).nodes
+    s.tiers.prefetch(list(nodes[1:]), TIMEOUT_S, ahead=True)  # the later turns back in DRAM
+    s.at(t + 1.0)
+    assert [n.tiers() for n in nodes] == [[Tier.NVME], [Tier.DRAM, Tier.NVME], [Tier.DRAM, Tier.NVME]]
+    assert s.tiers.books.dram.num_free == 0
+    got = admit(s, {"a": history}, t + 1.0)
+    held_s, cached = got["a"]
+    assert cached == len(history) and held_s < TIMEOUT_S, got  # before: 0 cached after 2.0 s held
+    s.check()
