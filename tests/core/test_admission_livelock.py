@@ -17,7 +17,7 @@ import itertools
 from hiradix.core.ledger import Kind
 from hiradix.core.lookahead import QueuedKey
 from hiradix.core.node import Tier
-from tests.helpers.sim_server import PS, TIMEOUT_S, SimServer
+from tests.helpers.sim_server import TIMEOUT_S, SimServer
 
 STEP_S = 0.5
 
@@ -29,17 +29,7 @@ def build(dram_pages: int, turns: dict[str, list[int]], warm: tuple[str, ...]):
     s = SimServer(dram_pages=dram_pages, nvme_slots=64, hbm_tokens=256)
     tokens, t = {}, 0.0
     for tag, (name, pages) in enumerate(turns.items(), start=1):
-        history: list[int] = []
-        for k, n in enumerate(pages):
-            history = history + [tag * 10000 + k * 100 + i for i in range(n * PS)]
-            s.clock.advance_to(t)
-            s.compute(list(history))
-            s.at(t)  # the write-through backup lands in DRAM
-            s.drop_hbm()  # the DRAM copy is the last one: stored to NVMe
-            s.at(t + 20.0)
-            s.tiers.placement.make_room(Tier.DRAM, s.tiers.books.dram.capacity)  # NVMe only now
-            t += 30.0
-        tokens[name] = history
+        tokens[name], t = s.history_on_nvme(tag, pages, t)
     nodes = {f"{name.lower()}{k + 1}": node for name, history in tokens.items()
              for k, node in enumerate(s.tree.match(history, split=False, touch=False).nodes)}  # fmt: skip
     assert all(node.tiers() == [Tier.NVME] for node in nodes.values())

@@ -28,17 +28,8 @@ def server(hbm_tokens: int = 128) -> SimServer:
 
 
 def history_on_nvme(s: SimServer, tag: int, turns: list[int], t: float) -> tuple[list[int], float]:
-    """A conversation of ``turns`` (pages per turn, one node each), left on NVMe only."""
-    history: list[int] = []
-    for k, n in enumerate(turns):
-        history = history + [tag * 10000 + k * 100 + i for i in range(n * PS)]
-        s.clock.advance_to(t)
-        s.compute(list(history))
-        s.at(t)  # the write-through backup lands in DRAM
-        s.drop_hbm()  # the DRAM copy is the last one: stored to NVMe
-        s.at(t + 20.0)
-        s.tiers.placement.make_room(Tier.DRAM, s.tiers.books.dram.capacity)  # NVMe only now
-        t += 30.0
+    """``s.history_on_nvme``, checked: all of it on NVMe only."""
+    history, t = s.history_on_nvme(tag, turns, t)
     m = s.tree.match(history, split=False, touch=False)
     assert (m.hbm_len, m.dram_len, m.nvme_len) == (0, 0, len(history))
     return history, t

@@ -4,6 +4,7 @@ transfer's timing is exact. After every step the invariants hold (books + HBM ba
 
 from __future__ import annotations
 
+from hiradix.core.node import Tier
 from hiradix.core.policy import LRUPolicy
 from hiradix.core.ports import READ_AT_ADMISSION
 from hiradix.core.prefix_cache import TieredPrefixCache
@@ -67,6 +68,22 @@ class SimServer:
         """Evict everything evictable from HBM (what is not in DRAM is lost)."""
         self.cache.evict(self.tree.hbm_evictable_tokens)
         self.check()
+
+    def history_on_nvme(self, tag: int, turns: list[int], t: float) -> tuple[list[int], float]:
+        """A conversation of ``turns`` (pages per turn, one node each) computed from ``t`` on, turn
+        by turn (each stored to NVMe through DRAM, 30 s apart) and left on NVMe only. Returns its
+        tokens and the time reached."""
+        history: list[int] = []
+        for k, n in enumerate(turns):
+            history = history + [tag * 10000 + k * 100 + i for i in range(n * PS)]
+            self.clock.advance_to(t)
+            self.compute(list(history))
+            self.at(t)  # the write-through backup lands in DRAM
+            self.drop_hbm()  # the DRAM copy is the last one: stored to NVMe
+            self.at(t + 20.0)
+            self.tiers.placement.make_room(Tier.DRAM, self.tiers.books.dram.capacity)  # NVMe only now
+            t += 30.0
+        return history, t
 
 
 def keys(tag: int, pages: int = 2) -> list[int]:
