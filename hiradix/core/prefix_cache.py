@@ -132,9 +132,7 @@ class TieredPrefixCache:
         :attr:`streamed` tells the caller: ``(first token promoted, LoadBack)``."""
         self.lock(m.hbm_node)
         try:
-            back = self.load_back(m.hbm_node, m.dram_node, m.dram_len)
-            if back.loaded:
-                self.tiers.land_now()
+            back = self.promote_now(m.hbm_node, m.dram_node, m.dram_len)
         finally:
             self.unlock(m.hbm_node)
         self.tiers.stats.streamed_tokens += back.loaded
@@ -200,16 +198,15 @@ class TieredPrefixCache:
         read_from, waited_from = self.tiers.load_back(nodes, slots)
         return LoadBack(num_tokens, read_from, waited_from, end)
 
-    def promote_now(self, start: TreeNode, end: TreeNode, num_tokens: int) -> int:
-        """:meth:`load_back`, then finish the copies now (not layer by layer with a forward).
-
-        For a context-overflow reuse (:mod:`hiradix.sglang_plugin.overflow`) that copies the
-        promoted slots at once; the DRAM copies stay as written. Returns tokens promoted.
-        """
+    def promote_now(self, start: TreeNode, end: TreeNode, num_tokens: int) -> LoadBack:
+        """:meth:`load_back`, then finish the copies now (not layer by layer with a forward): for a
+        context-overflow reuse (:mod:`hiradix.sglang_plugin.overflow`) that copies the promoted
+        slots at once, and for a history streamed through DRAM while its request waits (no forward
+        may run). The DRAM copies stay as written."""
         back = self.load_back(start, end, num_tokens)
         if back.loaded:
             self.tiers.land_now()
-        return back.loaded
+        return back
 
     def start_loading(self) -> int:
         """Start the promotions queued while building a batch; returns its consumer index (-1: none)."""

@@ -249,7 +249,7 @@ class ContextOverflow:
                 continue
             core.lock(m.hbm_node)
             try:
-                self.counts["promoted_tokens"] += core.promote_now(m.hbm_node, m.dram_node, m.dram_len)
+                self.counts["promoted_tokens"] += core.promote_now(m.hbm_node, m.dram_node, m.dram_len).loaded
             finally:
                 core.unlock(m.hbm_node)
 
