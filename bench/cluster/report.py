@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -157,11 +158,10 @@ def system_summary(name: str, results: Sequence, urls: Sequence[str], reference:
 
 def _admission(results: Sequence, name: str) -> dict:
     """A system's arrival-to-admission counters summed over the repetitions ({}: none recorded)."""
-    out: dict = {}
+    total: Counter = Counter()
     for res in results:
-        for k, v in getattr(res, "admission", {}).get(name, {}).items():
-            out[k] = out.get(k, 0.0) + v
-    return out
+        total.update(res.admission.get(name, {}))  # update keeps zeros (+ drops them)
+    return dict(total)
 
 
 def build_report(results: Sequence, names: Sequence[str], worker_urls: dict) -> dict:

@@ -61,6 +61,7 @@ import dataclasses
 import logging
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -209,11 +210,10 @@ def run_repeat(fleets: Sequence[cluster_fleet.Fleet], repeat: int, sessions: Seq
 def fleet_admission(fleet: cluster_fleet.Fleet) -> dict:
     """The arrival-to-admission counters (`bench.common.server_metrics.ADMISSION_COUNTERS`) summed over
     a fleet's servers now."""
-    out: dict = {}
+    total: Counter = Counter()
     for server in fleet.servers:
-        for k, v in parse_snapshot(fetch_metrics(server.base_url)).admission.items():
-            out[k] = out.get(k, 0.0) + v
-    return out
+        total.update(parse_snapshot(fetch_metrics(server.base_url)).admission)  # update keeps zeros (+ drops them)
+    return dict(total)
 
 
 def flush_best_effort(fleets: Sequence[cluster_fleet.Fleet], timeout_s: float = 15.0) -> list[str]:

@@ -22,6 +22,8 @@ from typing import Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from hiradix.core.hold_times import CAUSES as HOLD_CAUSES
+
 TTFT_HISTOGRAM = "sglang:time_to_first_token_seconds"
 # Where a request's time from arrival to admission goes: SGLang's queue time (every system; it
 # includes hiradix's holds), hiradix's holds by cause and its admission skips (loop iterations that
@@ -31,8 +33,7 @@ ADMISSION_COUNTERS = {
     ("sglang:queue_time_seconds_count", None): "queued_requests",
     ("sglang:hiradix_held_requests_total", None): "held_requests",
     ("sglang:hiradix_admission_skips_total", None): "admission_skips",
-    **{("sglang:hiradix_admission_wait_seconds_total", cause): f"held_s:{cause}"
-       for cause in ("nvme_read", "store_read", "dram_room", "store_lookup")},
+    **{("sglang:hiradix_admission_wait_seconds_total", cause): f"held_s:{cause}" for cause in HOLD_CAUSES},
 }
 TIER_USED_TOKENS = "sglang:hiradix_tier_used_tokens"  # gauge per tier (hiradix/runtime/metrics.py)
 RESERVED_BYTES = "sglang:hiradix_reserved_bytes"  # gauge per tier and TP rank (hiradix/runtime/metrics.py)
