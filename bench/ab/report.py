@@ -37,8 +37,19 @@ LATER_TURN = 2  # "turns >= 2"
 TARGET_AA_HALF_WIDTH = 0.10
 TARGET_VS_IDEAL = 1.10
 TARGET_VS_STOCK = 0.25
-TARGET_VS_HICACHE = 1.0  # faster than stock SGLang HiCache
-TARGET_PREFILL_OF_IDEAL = 0.05
+
+
+@dataclass(frozen=True)
+class Goals:
+    """The targets a workload is judged by: hiradix's TTFT vs HiCache's (below this ratio) and its
+    prefill tokens (at most this share above the ideal's)."""
+
+    vs_hicache: float = 1.0  # faster than stock SGLang HiCache
+    prefill_of_ideal: float = 0.05
+
+
+DEMO_GOALS = Goals()
+SPILL_GOALS = Goals(vs_hicache=0.5, prefill_of_ideal=0.02)  # histories several times HBM + DRAM: the paper's case
 HOST_TIERS = ("DRAM", "NVMe")  # tiers of `sglang:hiradix_reserved_bytes` the report shows
 BIASED = "BIASED RUN"
 NOISY = "NOISY RUN"
@@ -328,7 +339,7 @@ def verdict_lines(runs: Sequence[SystemRun]) -> list[str]:
     return lines
 
 
-def targets(runs: Sequence[SystemRun]) -> list[dict]:
+def targets(runs: Sequence[SystemRun], goals: Goals = DEMO_GOALS) -> list[dict]:
     """The issue's targets that this run has the systems for (`met`: True/False)."""
     out = []
     by_name = {run.system.name: run for run in runs}
@@ -343,8 +354,8 @@ def targets(runs: Sequence[SystemRun]) -> list[dict]:
             out.append({"target": f"{c['a']} vs ideal <= {TARGET_VS_IDEAL}x", "measured": format_ratio(c),
                         "met": c["median"] <= TARGET_VS_IDEAL})
         elif hiradix and c["kind"] == "vs-hicache":
-            out.append({"target": f"{c['a']} vs HiCache < {TARGET_VS_HICACHE}x", "measured": format_ratio(c),
-                        "met": c["median"] < TARGET_VS_HICACHE})
+            out.append({"target": f"{c['a']} vs HiCache < {goals.vs_hicache}x", "measured": format_ratio(c),
+                        "met": c["median"] < goals.vs_hicache})
         elif hiradix and c["b"] == "stock":
             out.append({"target": f"{c['a']} vs stock <= {TARGET_VS_STOCK}x", "measured": format_ratio(c),
                         "met": c["median"] <= TARGET_VS_STOCK})
@@ -353,29 +364,29 @@ def targets(runs: Sequence[SystemRun]) -> list[dict]:
         if ideal is not None and "--enable-hiradix" in run.system.server_args:
             mine, best = prefill_tokens(run.records), prefill_tokens(ideal.records)
             rel = mine / best - 1 if best else math.nan
-            # at most 5% above the ideal's: fewer is better (partial last pages beat the page-16 ideal)
-            out.append({"target": f"{run.system.name} prefill tokens at most {TARGET_PREFILL_OF_IDEAL:.0%} above ideal's",
-                        "measured": f"{mine} vs {best} ({rel:+.1%})", "met": rel <= TARGET_PREFILL_OF_IDEAL})
+            # at most that share above the ideal's: fewer is better (partial last pages beat the page-16 ideal)
+            out.append({"target": f"{run.system.name} prefill tokens at most {goals.prefill_of_ideal:.0%} above ideal's",
+                        "measured": f"{mine} vs {best} ({rel:+.1%})", "met": rel <= goals.prefill_of_ideal})
     return out
 
 
-def summary(runs: Sequence[SystemRun]) -> dict[str, Any]:
+def summary(runs: Sequence[SystemRun], goals: Goals = DEMO_GOALS) -> dict[str, Any]:
     """Everything `summary.json` holds."""
     return {
         "per_turn": per_turn_summary(runs), "comparisons": comparisons(runs),
         "per_repeat": {str(k): v for k, v in repeat_comparisons(runs).items()},
         "systems": {run.system.name: {**system_figures(run), **asdict(run.system)} for run in runs},
         "identical_vs_baseline": {run.system.name: identical_fraction(runs[0].records, run.records) for run in runs[1:]},
-        "verdicts": verdict_lines(runs), "targets": targets(runs),
+        "verdicts": verdict_lines(runs), "targets": targets(runs, goals),
     }  # fmt: skip
 
 
-def write_outputs(runs: Sequence[SystemRun], run_dir: Path, config: dict) -> dict:
+def write_outputs(runs: Sequence[SystemRun], run_dir: Path, config: dict, goals: Goals = DEMO_GOALS) -> dict:
     """records.json/.csv, summary.json, config.json, ab_verdict.png, ttft_by_turn.png; returns the summary."""
     from bench.ab import plots as ab_plots
 
     write_records([r for run in runs for r in run.records], run_dir / "records.json", run_dir / "records.csv")
-    result = summary(runs)
+    result = summary(runs, goals)
     (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
     (run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str))
     ab_plots.plot_verdict(runs, result, run_dir / "ab_verdict.png")

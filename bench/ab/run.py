@@ -43,6 +43,7 @@ Outputs under `runs/<timestamp>/` (or `--out-dir`): `records.json`/`.csv`, `summ
 
     python -m bench.ab              # stock, ideal, hiradix, hicache, ideal2; models/small, 8 x 6, 3 repeats
     python -m bench.ab --quick      # tiny model, 3 sessions x 3 turns, 1 repeat (smoke test)
+    python -m bench.ab --spill      # histories over twice HBM + DRAM: HiCache, hiradix, ideal, ideal2
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ import psutil
 
 from bench.common import server_cpu, server_metrics
 from bench.ab.report import SystemRun, format_table, identical_fraction, per_turn_summary, verdict_lines  # noqa: F401
-from bench.ab.report import write_outputs
+from bench.ab.report import DEMO_GOALS, SPILL_GOALS, write_outputs
 from bench.ab.systems import (  # noqa: F401 (re-exported: bench.cluster.run and tests use them from here)
     BUILTIN_SYSTEMS, DEFAULT_SYSTEMS, IDEAL, TEMPLATE_TOKENS_PER_MESSAGE, System, hicache_memory_problem, ideal_pool_tokens,
     kv_bytes_per_token, nvme_gb_for_run, remove_tier_files, resolve_systems, token_counter, with_ideal_pool,
@@ -96,6 +97,14 @@ FULL_DEFAULTS = {"model": "models/small", "sessions": 8, "turns": 6, "max_total_
 QUICK_DEFAULTS = {"model": "models/tiny", "sessions": 3, "turns": 3, "max_total_tokens": 1024,
                   "max_message_chars": 300, "max_tokens": 8, "repeats": 1, "session_rate": None,
                   "think_time_s": 0.0}
+# The spill workload, where tiers below DRAM matter: the 16 sessions' histories (~8,000 tokens at
+# their last turns) are more than twice HBM + DRAM (1,536 + 1,920 tokens), so most of every hit
+# comes back from NVMe (hiradix) or HiCache's L3 `file` backend. HiCache is the baseline. One
+# repetition: a short phase (~4 min).
+SPILL_DEFAULTS = {**FULL_DEFAULTS, "max_total_tokens": 1536, "dram_ratio": 1.25, "repeats": 1,
+                  "systems": "hicache,hiradix,ideal,ideal2", "sessions": 16}
+SPILL_NOTE = ("--spill: histories more than twice HBM + DRAM; targets: hiradix under 0.5x HiCache's TTFT and within "
+              "2% of the ideal's prefill tokens")
 
 
 def warm_up(base_url: str, config: WorkloadConfig, batch: int = 1) -> None:
@@ -230,8 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Paired A/B: stock SGLang, the ideal cache and SGLang + hiradix on multi-turn chats.",
         epilog="Unknown --hiradix-* options are passed to the systems that use --enable-hiradix.")
     parser.add_argument("--model", default=None, help=f"model dir (default {FULL_DEFAULTS['model']})")
-    parser.add_argument("--systems", default=DEFAULT_SYSTEMS,
-                        help="comma-separated systems; the first is the baseline; NAME<digits> duplicates NAME (A/A)")
+    parser.add_argument("--systems", default=None,
+                        help=f"comma-separated systems; the first is the baseline; NAME<digits> duplicates NAME (A/A) "
+                             f"(default {DEFAULT_SYSTEMS}; --spill {SPILL_DEFAULTS['systems']})")
     parser.add_argument("--system", action="append", default=[], metavar='NAME="FLAGS"',
                         help="define a system (repeatable)")
     parser.add_argument("--server-args", default="", help="extra server flags for every system")
@@ -247,9 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--history", choices=["own", "dataset"], default="own",
                         help="answers in the history: the model's own (default) or the dataset's")
     parser.add_argument("--stop-at-eos", action="store_true", help="let answers end at EOS (default: ignored)")
-    parser.add_argument("--dram-ratio", type=float, default=2.0,
+    parser.add_argument("--dram-ratio", type=float, default=None,
                         help="DRAM tier of HiCache and hiradix, as a multiple of one TP rank's device KV pool "
-                             "(default 2; per rank, or per node for an MLA model's shared hiradix host copy)")
+                             "(default 2; --spill 1.25; per rank, or per node for an MLA model's shared hiradix "
+                             "host copy)")
     parser.add_argument("--keep-tier-files", action="store_true",
                         help="keep the NVMe and HiCache files under the run directory (default: removed at the end)")
     parser.add_argument("--nvme-gb", type=float, default=None,
@@ -258,6 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "it fits in DRAM)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny model, 3 sessions x 3 turns, 1 repeat, small pool (a smoke test)")
+    parser.add_argument("--spill", action="store_true",
+                        help="the spill workload: histories more than twice HBM + DRAM (--max-total-tokens 1536, "
+                             "--dram-ratio 1.25, 16 sessions x 6 turns, 1 repeat, systems "
+                             f"{SPILL_DEFAULTS['systems']}); judged by the spill targets (hiradix < 0.5x HiCache's "
+                             "TTFT, prefill tokens within 2%% of the ideal's)")
     parser.add_argument("--out-dir", default=None, help="default runs/<timestamp>")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     add_workload_args(parser)
@@ -284,8 +300,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     stray = [t for t in unknown if t.startswith("-") and not t.startswith("--hiradix-")]
     if stray or (unknown and not unknown[0].startswith("--hiradix-")):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    defaults = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
-    for name, value in defaults.items():
+    if args.quick and args.spill:
+        parser.error("--quick and --spill are two presets: pick one")
+    defaults = QUICK_DEFAULTS if args.quick else SPILL_DEFAULTS if args.spill else FULL_DEFAULTS
+    for name, value in {"systems": DEFAULT_SYSTEMS, "dram_ratio": 2.0, **defaults}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.repeats < 1:
@@ -382,6 +400,8 @@ def print_report(args: argparse.Namespace, runs: list[SystemRun], result: dict, 
     print(f"\nresults: {run_dir} (records.json, summary.json, ab_verdict.png, ttft_by_turn.png); total {total_s:.0f} s")
     if args.quick:
         print(QUICK_NOTE)
+    if args.spill:
+        print(SPILL_NOTE)
     print("\nverdict (paired per request, median [95% bootstrap CI]):")
     for line in result["verdicts"]:
         print("  " + line)
@@ -410,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "session_ids": [[s.session_id for s in ss] for ss in by_repeat],
                   "session_source": by_repeat[0][0].source,
                   "systems_resolved": [dataclasses.asdict(s) for s in systems], "total_s": total_s}
-    result = write_outputs(runs, run_dir, run_config)
+    result = write_outputs(runs, run_dir, run_config, SPILL_GOALS if args.spill else DEMO_GOALS)
     print_report(args, runs, result, model_path, by_repeat, run_dir, ideal_pool, total_s)
     return 1 if any(not r.ok for run in runs for r in run.records) else 0
 

@@ -89,7 +89,7 @@ class TierController:
             reads = StoreReadChoice(plan.store_read, plan.hbm_page_bytes / tree.page_size, tree.page_size,
                                     skip_lookups=plan.store_read == "auto" and self.sync.size == 1)
             self.store = StoreTier(tree, books, self.placement, client, plan.store.key_prefix, plan.store_write_policy,
-                                   clock, retry_s=plan.store_retry_s, reads=reads)
+                                   clock, retry_s=plan.store_retry_s, reads=reads, waited=self.waits.waited)
         self.reads = DramReads(tree, books, self.placement, client, self.waits, self.reads_ahead, self.stats, self.store,
                                clock)
         self.store_link = None if self.store is None else StoreLink(self.store, self.waits, self.sync.size,

@@ -69,6 +69,10 @@ class ReadWaits:
             self.deadline_s[op_id] = self.clock() + timeout_s
         return True
 
+    def waited(self, op_id: int) -> bool:
+        """Whether a request waits at admission for ``op_id`` now (its wait started, not expired)."""
+        return self.deadline_s.get(op_id) is not None and op_id not in self.expired
+
     def any_pending(self, nodes: list[TreeNode], timeout_s: float) -> bool:
         """Whether a read for one of ``nodes`` is still in flight and within its timeout (a
         look-ahead read's timeout starts here)."""

@@ -8,7 +8,8 @@ may drop an object at any time, so a store copy is confirmed only by a GET that 
 * Shares (PUT, DRAM -> store): ``write_through`` puts a node once its KV is in DRAM (a backup or
   an NVMe read landed), so another server can hit while the first still holds it in HBM;
   ``write_back`` puts it once it has left HBM (DRAM holds the last fast copy). Bounded in flight
-  (jobs, and half of DRAM's pages: a wedged store call must not pin DRAM whole).
+  (jobs, and half of DRAM's pages: a wedged store call must not pin DRAM whole), and paused
+  while a request waits at admission for a store lookup or GET (``MAX_PUT_PAUSE_STEPS`` at most).
   A write-through backup that found DRAM full is opened once room is made
   (:mod:`hiradix.core.deferred_backups`), and a DRAM copy queued for a PUT stays when its
   demotion to NVMe lands (:meth:`wants_put`), so every page is shared, not only those DRAM had
@@ -66,6 +67,10 @@ PUT_ATTEMPTS = 3  # tries of one node's PUT (an aborted job is queued again, beh
 # once they hold this fraction of DRAM, so a slow or wedged store (the I/O worker restarts only
 # after its call limit) leaves DRAM room for backups and NVMe reads instead of taking it whole.
 MAX_PUT_DRAM_FRACTION = 0.5
+# New PUTs wait while a request waits at admission for a store read (a lookup, or a GET it waits
+# on): the store's bandwidth and the I/O worker's threads go to the read first. At most this many
+# steps in a row (steps are counted alike on every TP rank), so steady reads never starve shares.
+MAX_PUT_PAUSE_STEPS = 64
 MAX_LOOKUP_PAGES = 4096  # pages asked for in one lookup
 # A key where a lookup's run ended, or whose GET missed, is not looked up again until this many
 # more ops were opened: admission retries a skipped request every step, and each retry would
@@ -104,6 +109,8 @@ class StoreTier:
         clock: monotonic seconds.
         retry_s: first wait before a switched-off store is tried again (``STORE_RETRY_S``).
         reads: how much of a store hit to read (default: always read, nothing measured).
+        waited: whether a request waits at admission for an op id (``ReadWaits.waited``; new PUTs
+            wait meanwhile). Default: never.
 
     Raises:
         ValueError: unknown ``write_policy``.
@@ -111,7 +118,7 @@ class StoreTier:
 
     def __init__(self, tree: TieredRadixTree, books: TierBooks, placement: Placement, client: IOClient,
                  key_prefix: str, write_policy: str, clock: Callable[[], float], retry_s: float = STORE_RETRY_S,
-                 reads: Optional[StoreReadChoice] = None):
+                 reads: Optional[StoreReadChoice] = None, waited: Optional[Callable[[int], bool]] = None):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"store write policy must be one of {list(WRITE_POLICIES)}, got {write_policy!r}")
         self.tree, self.books, self.placement, self.client = tree, books, placement, client
@@ -119,6 +126,8 @@ class StoreTier:
         self.write_back = write_policy == "write_back"
         self.clock = clock
         self.reads = reads if reads is not None else StoreReadChoice("always", 1.0, tree.page_size)
+        self.waited = waited if waited is not None else (lambda op_id: False)
+        self._paused_steps = 0  # steps in a row in which new PUTs waited for an admission read
         self.lookups: dict[int, Lookup] = {}  # op id -> lookup in flight
         self._by_hash: dict[bytes, Lookup] = {}  # first page hash -> lookup in flight
         self._to_put: dict[int, TreeNode] = {}  # node id -> node to share (insertion order)
@@ -132,7 +141,8 @@ class StoreTier:
         self._retry_wait_s = retry_s
         self._warned = False  # a switch-off was warned about, and the store has not worked since
         self.counts = dict.fromkeys(("lookup_pages", "lookup_found_pages", "put_pages", "put_failed_pages",
-                                     "get_pages", "get_failed_pages", "switch_offs", "put_retried_pages"), 0)
+                                     "get_pages", "get_failed_pages", "switch_offs", "put_retried_pages",
+                                     "put_paused_steps"), 0)
 
     @property
     def enabled(self) -> bool:
@@ -172,6 +182,8 @@ class StoreTier:
         if not self.enabled:
             self._to_put.clear()
             return
+        if self._paused():
+            return
         ops = self.books.in_flight(Kind.PUT)
         in_flight, pages = len(ops), sum(len(op.src_ids) for op in ops)
         max_pages = max(1, int(self.books.dram.capacity * MAX_PUT_DRAM_FRACTION))
@@ -185,6 +197,20 @@ class StoreTier:
             op = self.books.prepare(Kind.PUT, [node], store_keys=self.keys_of(node))
             self.client.submit_put(op.op_id, op.src_ids, op.dst_ids)
             in_flight, pages = in_flight + 1, pages + len(op.src_ids)
+
+    def _paused(self) -> bool:
+        """Whether new PUTs wait this step: a request waits at admission for a lookup or a GET,
+        and they have not waited ``MAX_PUT_PAUSE_STEPS`` steps in a row yet."""
+        if self._to_put and self._paused_steps < MAX_PUT_PAUSE_STEPS and self._read_waited_on():
+            self._paused_steps += 1
+            self.counts["put_paused_steps"] += 1
+            return True
+        self._paused_steps = 0
+        return False
+
+    def _read_waited_on(self) -> bool:
+        return (any(self.waited(op_id) for op_id in self.lookups)
+                or any(self.waited(op.op_id) for op in self.books.in_flight(Kind.GET)))
 
     def note_put_done(self, nodes: Sequence[TreeNode], aborted: bool) -> None:
         """A PUT job of ``nodes`` finished with the same outcome on every rank: an aborted one

@@ -204,6 +204,23 @@ def test_biased_run_is_flagged_in_table_and_verdict():
     assert met["hiradix vs ideal <= 1.1x"] is False and met["hiradix vs stock <= 0.25x"] is False
 
 
+def test_spill_goals_judge_prefill_within_two_percent_and_half_of_hicache():
+    """`--spill` is judged by its own goals: prefill tokens within 2% of the ideal's (the demo: 5%)."""
+    runs = _runs(factor_aa=1.0, jitter=False)  # stock, ideal, hiradix, stock2
+    ideal_cached = {(r.repeat, r.session_index, r.turn_index): r.cached_tokens for r in runs[1].records}
+
+    def judged(extra_prefill_per_request: int) -> tuple[bool, bool, str]:
+        for r in runs[2].records:
+            r.cached_tokens = ideal_cached[(r.repeat, r.session_index, r.turn_index)] - extra_prefill_per_request
+        demo = {t["target"]: t for t in ab_report.targets(runs)}["hiradix prefill tokens at most 5% above ideal's"]
+        spill = {t["target"]: t for t in ab_report.targets(runs, ab_report.SPILL_GOALS)}
+        return demo["met"], spill["hiradix prefill tokens at most 2% above ideal's"]["met"], demo["measured"]
+
+    assert judged(0) == (True, True, "6600 vs 6600 (+0.0%)")
+    assert judged(3) == (True, False, "6744 vs 6600 (+2.2%)")  # 48 requests x 3 tokens
+    assert judged(10)[:2] == (False, False)
+    assert ab_report.SPILL_GOALS.vs_hicache == 0.5 and ab_report.DEMO_GOALS.vs_hicache == 1.0
+
 METRICS_TEXT = """# TYPE sglang:prompt_tokens_total counter
 sglang:prompt_tokens_total{is_streaming="false"} 11.0
 sglang:prompt_tokens_total{is_streaming="true"} 989.0

@@ -302,6 +302,20 @@ def test_parse_args_quick_defaults_and_rejects_stray_options():
         ab.parse_args(["--tp-size", "0"])
 
 
+def test_parse_args_spill_preset():
+    """`--spill` (the demo's second phase): histories several times HBM + DRAM, HiCache and the
+    ideal pair beside hiradix; explicit values still win, and it does not combine with --quick."""
+    args, passthrough = ab.parse_args(["--spill", "--hiradix-load-timeout-s", "4"])
+    assert (args.model, args.max_total_tokens, args.dram_ratio, args.sessions, args.repeats) == (
+        "models/small", 1536, 1.25, 16, 1)
+    assert args.systems == "hicache,hiradix,ideal,ideal2" and passthrough == ["--hiradix-load-timeout-s", "4"]
+    args, _ = ab.parse_args(["--spill", "--dram-ratio", "0.5", "--systems", "hiradix,ideal"])
+    assert (args.dram_ratio, args.systems) == (0.5, "hiradix,ideal")
+    assert ab.parse_args([])[0].dram_ratio == 2.0
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--spill", "--quick"])
+
+
 def _record(session, turn, ids, ttft_s, cached, text="x"):
     r = RequestRecord("s", f"s{session}", session, turn, ttft_s=ttft_s, prompt_tokens=100,
                       cached_tokens=cached, output_text=text, output_token_ids=ids)
