@@ -107,7 +107,8 @@ def compare(a: SystemRun, b: SystemRun, keep: Callable[[RequestRecord], bool] | 
 
 
 def comparisons(runs: Sequence[SystemRun]) -> list[dict]:
-    """The paired comparisons of a run, each tagged `kind`: "vs-baseline", "vs-ideal" or "aa"."""
+    """The paired comparisons of a run, each tagged `kind`: "vs-baseline", "vs-ideal", "vs-hicache"
+    (a hiradix system vs stock HiCache, also as the baseline) or "aa"."""
     by_name = {run.system.name: run for run in runs}
     base, ideal, hicache = runs[0], by_name.get(IDEAL), by_name.get(HICACHE)
     out = []
@@ -116,10 +117,12 @@ def comparisons(runs: Sequence[SystemRun]) -> list[dict]:
         if dup and dup in by_name:
             out.append({**compare(run, by_name[dup]), "kind": "aa"})
             continue
-        out.append({**compare(run, base), "kind": "vs-ideal" if base is ideal else "vs-baseline"})
+        hiradix = "--enable-hiradix" in run.system.server_args
+        kind = "vs-ideal" if base is ideal else "vs-hicache" if base is hicache and hiradix else "vs-baseline"
+        out.append({**compare(run, base), "kind": kind})
         if ideal is not None and run is not ideal and ideal is not base:
             out.append({**compare(run, ideal), "kind": "vs-ideal"})
-        if hicache is not None and hicache is not base and "--enable-hiradix" in run.system.server_args:
+        if hicache is not None and hicache is not base and hiradix:
             out.append({**compare(run, hicache), "kind": "vs-hicache"})
     return out
 

@@ -51,14 +51,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import dataclasses
 import logging
 import shlex
 import statistics
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Sequence
 
@@ -75,10 +74,13 @@ from bench.ab.systems import (  # noqa: F401 (re-exported: bench.cluster.run and
     kv_bytes_per_token, nvme_gb_for_run, remove_tier_files, resolve_systems, token_counter, with_ideal_pool,
     with_tier_sizes, working_set_tokens)
 from bench.common.conversations import Session, load_sessions
-from bench.common.multiturn import WorkloadConfig, add_workload_args, run_workload, workload_config_from_args
+from bench.common.multiturn import add_workload_args, workload_config_from_args
 from bench.ab.paired import PairedConfig, PairedRecord, run_paired
+from bench.ab.open_loop import OpenLoopConfig, run_open_repeat
+from bench.ab.open_report import open_loop_lines, open_loop_ratios, ttft_distribution, stage_split
+from bench.ab.servers import flush_caches, server_cpu_seconds, start_servers, warm_up  # noqa: F401 (re-exported)
 from bench.common.server_metrics import fetch_metrics  # noqa: F401 (re-exported)
-from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, stop_all
+from hiradix.testing.server import ServerProcess
 
 logger = logging.getLogger("bench.ab.run")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -107,22 +109,6 @@ SPILL_NOTE = ("--spill: histories more than twice HBM + DRAM; targets: hiradix u
               "2% of the ideal's prefill tokens")
 
 
-def warm_up(base_url: str, config: WorkloadConfig, batch: int = 1) -> None:
-    """`batch` unrelated short requests at once, so lazy initialisation (of a batch of that size
-    too) does not land in the first measured round.
-
-    Raises:
-        RuntimeError: If a warm-up request fails.
-    """
-    warm = [Session(f"warmup{i}", ({"role": "user", "content": f"Warm-up {i}: say hello."},), "synthetic")
-            for i in range(max(1, batch))]
-    records = run_workload(base_url, warm, config, system="warmup", progress=False,
-                           max_concurrent_sessions=len(warm), session_rate_per_s=None, think_time_s=0.0)
-    failed = [r.error for r in records if not r.ok]
-    if failed:
-        raise RuntimeError(f"warm-up request failed: {failed[0]}")
-
-
 def check_fits(sessions: Sequence[Session], answer_tokens: int, pool_tokens: int, count_tokens,
                own_answers: bool) -> None:
     """Refuse a workload whose longest prompt cannot run in the device pool (SGLang would keep it
@@ -138,69 +124,6 @@ def check_fits(sessions: Sequence[Session], answer_tokens: int, pool_tokens: int
         if need > pool_tokens:
             raise ValueError(f"session {i} needs up to {need} tokens at its last turn > --max-total-tokens "
                              f"{pool_tokens}; raise the pool or lower --max-message-chars / --turns")
-
-
-def start_servers(stack: contextlib.ExitStack, systems: Sequence[System], model_path: str, pool_tokens: int,
-                  run_dir: Path, startup_timeout_s: float, tp_size: int = 1) -> dict[str, ServerProcess]:
-    """Start every system's server at once, each with `--tp-size tp_size`, and wait until all are
-    healthy (stopped by `stack`).
-
-    Raises:
-        hiradix.testing.ServerStartError: If one does not come up (message has its log).
-    """
-    servers = {}
-    stack.callback(lambda: stop_all(servers.values()))  # side by side: each stop waits for its processes
-    for system in systems:
-        extra = cpu_args(system.max_total_tokens or pool_tokens) + ["--tp-size", str(tp_size), *system.server_args]
-        logger.info("[%s] starting server: %s", system.name, " ".join(extra))
-        server = ServerProcess(model_path, extra_args=extra, env=cpu_env(tp_size=tp_size),
-                               startup_timeout_s=startup_timeout_s, log_path=run_dir / f"{system.name}.server.log")
-        servers[system.name] = server
-        server.start(wait=False)
-    for name, server in servers.items():
-        server.wait_healthy()
-        logger.info("[%s] healthy on %s after %.1f s", name, server.base_url, server.startup_s)
-    return servers
-
-
-def flush_caches(servers: dict[str, ServerProcess], timeout_s: float = 120.0, poll_s: float = 0.5) -> None:
-    """Empty every server's prefix cache between repetitions, as fresh servers would start.
-
-    `POST /flush_cache` (SGLang's endpoint; it refuses while requests are queued or running, so it is
-    retried), then, on hiradix servers, wait until every tier gauge reads 0 (pages of transfers in
-    flight are freed when their I/O lands). HiCache's storage files stay, but each repetition has
-    sessions of its own, so nothing of an earlier one can hit.
-
-    Raises:
-        TimeoutError: A server's cache is not empty after `timeout_s`.
-    """
-    for name, server in servers.items():
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                request = urllib.request.Request(server.base_url + "/flush_cache", method="POST")
-                with urllib.request.urlopen(request, timeout=30) as resp:
-                    flushed = resp.status == 200
-            except urllib.error.HTTPError:
-                flushed = False
-            used = server_metrics.tier_used_tokens(server_metrics.fetch_metrics(server.base_url))
-            if flushed and used == 0:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"[{name}] cache not empty {timeout_s:.0f} s after /flush_cache")
-            time.sleep(poll_s)  # the idle scheduler steps about once a second
-        logger.info("[%s] cache flushed", name)
-
-
-def server_cpu_seconds(server: ServerProcess) -> dict[str, float]:
-    """CPU seconds so far of the server's processes, by role (`bench.common.server_cpu`)."""
-    processes = []
-    for pid in server.pids():
-        try:
-            processes.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            continue  # ended meanwhile: its seconds are gone with it
-    return server_cpu.cpu_seconds_by_role(processes, server.pid)
 
 
 def run_repeat(servers: dict[str, ServerProcess], systems: Sequence[System], repeat: int,
@@ -274,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "--dram-ratio 1.25, 16 sessions x 6 turns, 1 repeat, systems "
                              f"{SPILL_DEFAULTS['systems']}); judged by the spill targets (hiradix < 0.5x HiCache's "
                              "TTFT, prefill tokens within 2%% of the ideal's)")
+    parser.add_argument("--open-loop", type=float, default=None, metavar="RATE",
+                        help="open loop: requests arrive as a Poisson process of RATE per second, at most "
+                             "--concurrency in flight, each system alone on its server in turn (mirrored orders "
+                             "over the repetitions); reports TTFT mean/p50/p90/p99 and SGLang's per-request split")
     parser.add_argument("--out-dir", default=None, help="default runs/<timestamp>")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     add_workload_args(parser)
@@ -310,6 +237,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.tp_size < 1:
         parser.error(f"--tp-size must be >= 1, got {args.tp_size}")
+    if args.open_loop is not None and args.open_loop <= 0:
+        parser.error(f"--open-loop RATE must be > 0 requests/s, got {args.open_loop}")
     return args, unknown
 
 
@@ -378,7 +307,11 @@ def run_all(args: argparse.Namespace, model_path: Path, by_repeat: list, systems
             for repeat, sessions in enumerate(by_repeat):
                 if repeat:
                     flush_caches(servers)
-                repeats.append(run_repeat(servers, systems, repeat, sessions, config))
+                if args.open_loop is None:
+                    repeats.append(run_repeat(servers, systems, repeat, sessions, config))
+                else:
+                    open_config = OpenLoopConfig(config.workload, args.open_loop, config.concurrency, config.own_answers)
+                    repeats.append(run_open_repeat(servers, systems, repeat, sessions, open_config))
                 logger.info("repeat %d done after %.0f s", repeat, time.perf_counter() - t0)
     finally:
         if not args.keep_tier_files:
@@ -402,6 +335,10 @@ def print_report(args: argparse.Namespace, runs: list[SystemRun], result: dict, 
         print(QUICK_NOTE)
     if args.spill:
         print(SPILL_NOTE)
+    if args.open_loop is not None:
+        print()
+        for line in open_loop_lines(runs, args.open_loop, args.concurrency):
+            print(line)
     print("\nverdict (paired per request, median [95% bootstrap CI]):")
     for line in result["verdicts"]:
         print("  " + line)
@@ -431,6 +368,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "session_source": by_repeat[0][0].source,
                   "systems_resolved": [dataclasses.asdict(s) for s in systems], "total_s": total_s}
     result = write_outputs(runs, run_dir, run_config, SPILL_GOALS if args.spill else DEMO_GOALS)
+    if args.open_loop is not None:
+        result["open_loop"] = {"rate_per_s": args.open_loop, "max_in_flight": args.concurrency,
+                               "systems": {run.system.name: {"ttft_s": ttft_distribution(run), "split": stage_split(run)}
+                                           for run in runs},
+                               "ratios": open_loop_ratios(runs)}
+        (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
     print_report(args, runs, result, model_path, by_repeat, run_dir, ideal_pool, total_s)
     return 1 if any(not r.ok for run in runs for r in run.records) else 0
 

@@ -35,6 +35,9 @@ ADMISSION_COUNTERS = {
     ("sglang:hiradix_admission_skips_total", None): "admission_skips",
     **{("sglang:hiradix_admission_wait_seconds_total", cause): f"held_s:{cause}" for cause in HOLD_CAUSES},
 }
+# SGLang's per-request stage latencies (histogram, label `stage`: request_process, prefill_forward,
+# chunked_prefill are observed on a plain server): sum and count per stage -> MetricsSnapshot.stages.
+STAGE_LATENCY = "sglang:per_stage_req_latency_seconds"
 TIER_USED_TOKENS = "sglang:hiradix_tier_used_tokens"  # gauge per tier (hiradix/runtime/metrics.py)
 RESERVED_BYTES = "sglang:hiradix_reserved_bytes"  # gauge per tier and TP rank (hiradix/runtime/metrics.py)
 
@@ -49,6 +52,7 @@ class MetricsSnapshot:
     available: bool = False  # False: /metrics did not answer or lacked the counters
     reserved_bytes: dict = field(default_factory=dict)  # tier -> hiradix's host bytes, sum over TP ranks ({}: none)
     admission: dict = field(default_factory=dict)  # ADMISSION_COUNTERS' keys -> value ({}: none reported)
+    stages: dict = field(default_factory=dict)  # "<stage>:s" / "<stage>:count" of STAGE_LATENCY ({}: none)
 
     @property
     def prefill_tokens(self) -> float:
@@ -80,6 +84,9 @@ def parse_snapshot(text: str) -> MetricsSnapshot:
             elif sample.name == TTFT_HISTOGRAM + "_bucket":
                 le = float(sample.labels["le"])
                 snap.ttft_buckets[le] = snap.ttft_buckets.get(le, 0.0) + sample.value
+            elif sample.name in (STAGE_LATENCY + "_sum", STAGE_LATENCY + "_count"):
+                key = sample.labels.get("stage", "") + (":s" if sample.name.endswith("_sum") else ":count")
+                snap.stages[key] = snap.stages.get(key, 0.0) + sample.value
             elif sample.name == RESERVED_BYTES:
                 tier = sample.labels.get("tier", "")
                 snap.reserved_bytes[tier] = snap.reserved_bytes.get(tier, 0.0) + sample.value
@@ -108,6 +115,7 @@ def delta(after: MetricsSnapshot, before: MetricsSnapshot) -> MetricsSnapshot:
         after.available and before.available,
         dict(after.reserved_bytes),
         {k: v - before.admission.get(k, 0.0) for k, v in after.admission.items()},
+        {k: v - before.stages.get(k, 0.0) for k, v in after.stages.items()},
     )
 
 
@@ -122,6 +130,8 @@ def total(snapshots: Sequence[MetricsSnapshot]) -> MetricsSnapshot:
             out.ttft_buckets[le] = out.ttft_buckets.get(le, 0.0) + n
         for k, v in s.admission.items():
             out.admission[k] = out.admission.get(k, 0.0) + v
+        for k, v in s.stages.items():
+            out.stages[k] = out.stages.get(k, 0.0) + v
     return out
 
 

@@ -18,9 +18,12 @@ if str(REPO_ROOT) not in sys.path:
 
 from bench.ab import report as ab_report
 from bench.ab import run as ab
+from bench.ab import open_report
+from bench.ab import servers as ab_servers
+from bench.ab.open_loop import OpenLoopConfig, mirrored_order, run_open_loop
 from bench.common import server_cpu, server_metrics, stats  # noqa: E402
 from bench.common.conversations import Session, synthetic_sessions  # noqa: E402
-from bench.common.multiturn import WorkloadConfig  # noqa: E402
+from bench.common.multiturn import WorkloadConfig, arrival_times_s  # noqa: E402
 from bench.ab.paired import PairedConfig, PairedRecord, next_batch, rotation, run_paired, think_time_s  # noqa: E402
 from tests.helpers.fake_chat import FakeChatServer  # noqa: E402
 
@@ -220,6 +223,11 @@ def test_spill_goals_judge_prefill_within_two_percent_and_half_of_hicache():
     assert judged(3) == (True, False, "6744 vs 6600 (+2.2%)")  # 48 requests x 3 tokens
     assert judged(10)[:2] == (False, False)
     assert ab_report.SPILL_GOALS.vs_hicache == 0.5 and ab_report.DEMO_GOALS.vs_hicache == 1.0
+    # --spill's baseline is HiCache: hiradix vs it is still judged as "vs HiCache" (0.3x of it here)
+    runs[0].system = ab.System("hicache", ())
+    met = {t["target"]: t["met"] for t in ab_report.targets(runs, ab_report.SPILL_GOALS)}
+    assert met["hiradix vs HiCache < 0.5x"] is True
+    assert "hiradix vs HiCache, turns >= 2: TTFT 0.30x [0.30, 0.30] (n=24)" in ab_report.verdict_lines(runs)
 
 METRICS_TEXT = """# TYPE sglang:prompt_tokens_total counter
 sglang:prompt_tokens_total{is_streaming="false"} 11.0
@@ -347,7 +355,7 @@ def test_start_servers_gives_every_server_the_tp_size(monkeypatch, tmp_path):
         def stop(self):
             pass
 
-    monkeypatch.setattr(ab, "ServerProcess", FakeServer)
+    monkeypatch.setattr(ab_servers, "ServerProcess", FakeServer)
     systems = ab.resolve_systems("stock,hiradix", [], [], [])
     with ab.contextlib.ExitStack() as stack:
         ab.start_servers(stack, systems, "m", 2048, tmp_path, 60.0, tp_size=2)
@@ -423,3 +431,52 @@ def test_server_cpu_seconds_are_counted_per_role():
         assert 0.3 <= cpu[role] < 5.0, (role, cpu)
     assert cpu["launcher"] > 0 and cpu["other"] == 0.0
     assert server_cpu.cpu_delta(cpu, dict.fromkeys(server_cpu.ROLES, 0.1))["scheduler"] == pytest.approx(cpu["scheduler"] - 0.1)
+
+
+# ---------------------------------------------------------------- open loop
+
+
+def test_open_loop_sends_arrivals_in_order_bounded_in_flight_one_turn_per_session_at_a_time():
+    """`--open-loop`: each arrival sends the next turn of the session ready longest, never more than
+    max_in_flight requests at once, a session's turns in order with its own answers, and a request
+    is never sent before its arrival."""
+    sessions = synthetic_sessions(3, 3, seed=2, max_message_chars=40)
+    config = OpenLoopConfig(WorkloadConfig(max_tokens=4, progress=False, seed=5), rate_per_s=200.0, max_in_flight=2)
+    with FakeChatServer(("alpha",)) as server:
+        records = asyncio.run(run_open_loop(f"http://127.0.0.1:{server.port}", "A", sessions, config))
+    assert len(records) == 9 and all(r.ok for r in records)
+    assert [r.round_index for r in records] == list(range(9))
+    assert [r.arrival_s for r in records] == arrival_times_s(9, 200.0, 5)
+    assert all(r.start_s >= r.arrival_s for r in records)
+    assert [(r.session_index, r.turn_index) for r in records[:3]] == [(0, 0), (1, 0), (2, 0)]  # ready in order
+    in_flight, peak, open_turns = 0, 0, {}
+    for kind, first_user, n_messages in server.events:
+        in_flight += 1 if kind == "start" else -1
+        peak = max(peak, in_flight)
+        if kind == "start":
+            assert first_user not in open_turns, "two turns of one session in flight"
+            open_turns[first_user] = n_messages
+        else:
+            del open_turns[first_user]
+    assert peak == 2
+    for session in range(3):
+        turns = [r.turn_index for r in records if r.session_index == session]
+        assert turns == [0, 1, 2]
+    later = [body for body in server.requests if len(body["messages"]) == 5]
+    assert len(later) == 3 and all(m["content"] == "alpha" for body in later for m in body["messages"]
+                                   if m["role"] == "assistant")
+
+
+def test_open_loop_runs_systems_alone_in_mirrored_orders_and_reports_means_and_p90s():
+    assert mirrored_order(["a", "b", "c"], 0) == ["a", "b", "c"] and mirrored_order(["a", "b", "c"], 1) == ["c", "b", "a"]
+    runs = _runs(factor_aa=1.0, jitter=False)  # stock, ideal (0.25x), hiradix (0.3x), stock2 (1.0x)
+    ratios = {(r["a"], r["b"]): r for r in open_report.open_loop_ratios(runs)}
+    assert set(ratios) == {("hiradix", "ideal"), ("stock2", "stock")}
+    assert ratios[("hiradix", "ideal")]["mean"]["ratio"] == pytest.approx(1.2)
+    assert ratios[("hiradix", "ideal")]["p90"]["ratio"] == pytest.approx(1.2)
+    assert ratios[("stock2", "stock")]["mean"]["ci"] == pytest.approx((1.0, 1.0))
+    d = open_report.ttft_distribution(runs[0])  # stock, turns >= 2 (0-based): 1.0 + 0.1 s + 0.2 t, t = 2, 3
+    assert d["n"] == 24 and d["mean"] == pytest.approx(1.75) and d["p50"] == pytest.approx(1.75)
+    lines = open_report.open_loop_lines(runs, 1.0, 4)
+    assert any(line.startswith("hiradix vs ideal, open loop, turns >= 2: TTFT mean 1.20x") for line in lines)
+    assert open_report.stage_split(runs[0]) is None  # no /metrics figures in these runs
