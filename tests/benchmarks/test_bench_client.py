@@ -21,6 +21,7 @@ if str(REPO_ROOT) not in sys.path:  # bench/ is a plain directory at the repo ro
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.ab import run as ab  # noqa: E402
+from bench.ab.open_loop import OpenLoopRecord  # noqa: E402
 from bench.common.conversations import (  # noqa: E402
     conversation_to_messages,
     load_sessions,
@@ -483,3 +484,27 @@ def test_e2e_ab_quick_default_systems(tiny_model, tmp_path, capsys):
     assert "A/A ideal2 vs ideal, turns >= 2: TTFT " in verdicts
     for name in names[1:]:
         assert f"token-identical outputs {name} vs stock: 9/9" in out
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_e2e_ab_open_loop_smoke(tiny_model, tmp_path, capsys):
+    """`bench.ab --open-loop`: each system alone on its real server under Poisson arrivals, twice
+    (mirrored orders); SGLang's per-request split is read from /metrics; outputs stay identical."""
+    code = ab.main(["--quick", "--open-loop", "4", "--systems", "ideal,hiradix,ideal2", "--repeats", "2",
+                    "--model", str(tiny_model), "--out-dir", str(tmp_path)])
+    assert code == 0
+    records = read_records(tmp_path / "records.json", OpenLoopRecord)
+    assert len(records) == 3 * 18 and all(r.ok for r in records) and all(r.start_s >= r.arrival_s for r in records)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    open_loop = summary["open_loop"]
+    assert open_loop["rate_per_s"] == 4.0 and open_loop["max_in_flight"] == 4
+    for name in ("ideal", "hiradix", "ideal2"):
+        ttft, split = open_loop["systems"][name]["ttft_s"], open_loop["systems"][name]["split"]
+        assert ttft["n"] == 6 and 0 < ttft["p50"] <= ttft["p90"] <= ttft["p99"], (name, ttft)
+        assert split["prefill_forward_s"] > 0 and split["queue_s"] >= 0 and split["client_wait_s"] >= 0, (name, split)
+    assert {(r["a"], r["b"]) for r in open_loop["ratios"]} == {("hiradix", "ideal"), ("ideal2", "ideal")}
+    out = capsys.readouterr().out
+    assert "open loop: Poisson arrivals at 4 requests/s, at most 4 in flight" in out
+    assert "hiradix vs ideal, open loop, turns >= 2: TTFT mean " in out
+    assert "token-identical outputs hiradix vs ideal: 18/18" in out
