@@ -37,6 +37,7 @@ from hiradix.core.nvme_link import NvmeLink
 from hiradix.core.outcomes import outcome_of
 from hiradix.core.plan import TierPlan
 from hiradix.core.ports import ABORTED, OK, HostMover, IOClient, NvmeJournal, RankAgreement, SingleRank, StepVotes
+from hiradix.core.read_landing import ReadLanding
 from hiradix.core.read_waits import ReadWaits
 from hiradix.core.stats import TierStats, occupancy_line
 from hiradix.core.store_link import StoreLink
@@ -76,6 +77,7 @@ class TierController:
         wait = (lambda timeout_s: self._apply_results_now(self.client.wait(timeout_s))) if self.sync.size == 1 else None
         self.backups = DramBackups(plan, books, self.placement, mover, clock, wait, lambda: self._reap(self.mover.flush()))
         self.reads_ahead = returns.ReadAhead(books.dram.capacity, self.stats.read_ahead_tokens)  # predicted returns
+        self.landing = ReadLanding()  # reads waited for before a prefill batch
         self.waits = ReadWaits(books.new_op_id, clock)  # how long admissions wait for reads and lookups
         self._local_done: dict[int, int] = {}  # finished here, not yet agreed: op id -> outcome
         self._results: dict[int, Any] = {}  # I/O JobResult by op id, until applied
@@ -272,6 +274,24 @@ class TierController:
         for op_id in sorted(set(op_ids) | {k for k in self._local_done if k in mover_ops}):
             self._apply(op_id, OK)
 
+    def land_queued_reads(self, timeout_s: float) -> bool:
+        """Right before a prefill batch forms: block up to ``timeout_s`` for the reads into DRAM
+        that queued requests wait on and no earlier batch waited for (:class:`ReadLanding`), then
+        apply what landed (one more agreed step). Returns whether it waited."""
+        if self.client is None or self.stop.agreed:
+            return False
+        ids = self.landing.to_wait_for(self.books.in_flight(), self.reads_ahead.in_flight)
+        if not ids:
+            return False
+        deadline_s = self.clock() + timeout_s
+        while not ids <= self._local_done.keys():
+            left_s = deadline_s - self.clock()
+            if left_s <= 0 or not self.client.check_alive():
+                break
+            self._record_results(self.client.wait(left_s))
+        self.step()
+        return True
+
     def wait_for_io(self, timeout_s: float, wake: Sequence[Any] = ()) -> int:
         """Block until an I/O result arrives (recorded for the next :meth:`step` to agree on and
         apply), a ``wake`` socket is readable, or ``timeout_s`` passes; returns results recorded.
@@ -292,6 +312,7 @@ class TierController:
             self.store.reset()
         self.waits.reset()
         self.reads_ahead.reset()
+        self.landing.reset()
         self.backups.deferred.clear()
         if self.journal is not None:
             self.journal.landed.clear()  # nodes of the old tree (their paths end at the old root)

@@ -326,6 +326,12 @@ class TieredPrefixCache:
         if self.check_every_step:
             self.check_integrity()
 
+    def land_queued_reads(self, timeout_s: float) -> bool:
+        """Right before a prefill batch forms (requests are queued): wait up to ``timeout_s`` for
+        the reads queued requests wait on, then apply what landed, so those requests join this
+        batch instead of waiting for its forward (:mod:`hiradix.core.read_landing`)."""
+        return self.tiers is not None and self.tiers.land_queued_reads(timeout_s)
+
     def wait_for_reads(self, timeout_s: float, wake: Sequence[Any] = ()) -> bool:
         """If admission held a request for its reads since the last step, block until an I/O
         result arrives, a ``wake`` socket is readable or ``timeout_s`` passes (for a scheduler

@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from hiradix.core.read_landing import LAND_WAIT_S
+
 # A scheduler with nothing to run but requests held for their NVMe or store reads blocks at most
 # this long per loop iteration on the I/O results (or a new request) instead of spinning.
 HELD_WAIT_S = 0.005
@@ -35,6 +37,8 @@ def after_process_hicache_events(result: Any, scheduler: Any, *args: Any, **kwar
         # in the running batch hold locks on their prefixes, which is stronger protection.
         chunked = getattr(scheduler, "chunked_req", None)
         cache.observe_queue(([chunked] if chunked is not None else []) + list(scheduler.waiting_queue))
+        if scheduler.waiting_queue:  # a prefill batch forms next: reads about to land join it
+            cache.land_queued_reads(LAND_WAIT_S)
     return None
 
 
