@@ -91,3 +91,35 @@ def plot_ttft_by_turn(rows: Sequence[dict], names: Sequence[str], png_path: Path
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
+
+
+def plot_open_loop(open_loop: dict, png_path: Path) -> None:
+    """Write `open_loop.png` from `summary.json`'s `open_loop`: per system, TTFT mean/p50/p90/p99
+    of turns >= 2 (bars), and the mean TTFT split per request (queue time, prefill forward, the
+    rest; stacked)."""
+    plt = _pyplot()
+    fig, (ax_ttft, ax_split) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = list(open_loop["systems"])
+    x = np.arange(len(names))
+    stats = ("mean", "p50", "p90", "p99")
+    width = 0.8 / len(stats)
+    for k, stat in enumerate(stats):
+        values = [open_loop["systems"][n]["ttft_s"][stat] * 1000 for n in names]
+        ax_ttft.bar(x + (k - 1.5) * width, values, width, label=stat)
+    ax_ttft.set_xticks(x, names)
+    ax_ttft.set_ylabel("TTFT, turns >= 2 (ms)")
+    ax_ttft.set_title(f"open loop, {open_loop['rate_per_s']:g} requests/s, <= {open_loop['max_in_flight']} in flight")
+    ax_ttft.legend()
+    bottom = np.zeros(len(names))
+    for part, label in (("queue_s", "queue (SGLang)"), ("prefill_forward_s", "prefill forward"), ("rest_s", "rest")):
+        values = np.array([(open_loop["systems"][n]["split"] or {}).get(part, np.nan) * 1000 for n in names])
+        values = np.nan_to_num(values)
+        ax_split.bar(x, values, 0.6, bottom=bottom, label=label)
+        bottom += values
+    ax_split.set_xticks(x, names)
+    ax_split.set_ylabel("mean per request, all turns (ms)")
+    ax_split.set_title("where a request's TTFT goes")
+    ax_split.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)

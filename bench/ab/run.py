@@ -77,6 +77,7 @@ from bench.common.conversations import Session, load_sessions
 from bench.common.multiturn import add_workload_args, workload_config_from_args
 from bench.ab.paired import PairedConfig, PairedRecord, run_paired
 from bench.ab.open_loop import OpenLoopConfig, run_open_repeat
+from bench.ab import plots as ab_plots
 from bench.ab.open_report import open_loop_lines, open_loop_ratios, ttft_distribution, stage_split
 from bench.ab.servers import flush_caches, server_cpu_seconds, start_servers, warm_up  # noqa: F401 (re-exported)
 from bench.common.server_metrics import fetch_metrics  # noqa: F401 (re-exported)
@@ -374,6 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                            for run in runs},
                                "ratios": open_loop_ratios(runs)}
         (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
+        ab_plots.plot_open_loop(result["open_loop"], run_dir / "open_loop.png")
     print_report(args, runs, result, model_path, by_repeat, run_dir, ideal_pool, total_s)
     return 1 if any(not r.ok for run in runs for r in run.records) else 0
 

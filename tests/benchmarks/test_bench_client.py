@@ -504,6 +504,7 @@ def test_e2e_ab_open_loop_smoke(tiny_model, tmp_path, capsys):
         assert ttft["n"] == 6 and 0 < ttft["p50"] <= ttft["p90"] <= ttft["p99"], (name, ttft)
         assert split["prefill_forward_s"] > 0 and split["queue_s"] >= 0 and split["client_wait_s"] >= 0, (name, split)
     assert {(r["a"], r["b"]) for r in open_loop["ratios"]} == {("hiradix", "ideal"), ("ideal2", "ideal")}
+    assert (tmp_path / "open_loop.png").stat().st_size > 1000
     out = capsys.readouterr().out
     assert "open loop: Poisson arrivals at 4 requests/s, at most 4 in flight" in out
     assert "hiradix vs ideal, open loop, turns >= 2: TTFT mean " in out
