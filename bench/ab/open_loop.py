@@ -123,7 +123,9 @@ async def run_open_loop(url: str, system: str, sessions: Sequence[Session], conf
 
         tasks = []
         for k, arrival_s in enumerate(arrivals):
-            await asyncio.sleep(max(0.0, arrival_s - (time.perf_counter() - t_start)))
+            # asyncio's timers may fire up to the loop's clock resolution early: never send before the arrival
+            while (now_s := time.perf_counter() - t_start) < arrival_s:
+                await asyncio.sleep(arrival_s - now_s)
             i = await slots.take()
             tasks.append(asyncio.create_task(send(k, i)))
         await asyncio.gather(*tasks)
