@@ -78,7 +78,7 @@ from bench.sim.sweep import DEFAULT_FRACTIONS, sweep_main  # noqa: E402
 from hiradix.core.policy import make_policy  # noqa: E402
 from hiradix.core.lookahead import QueuedKey  # noqa: E402
 from hiradix.core.prefix_cache import TieredPrefixCache  # noqa: E402
-from hiradix.core.read_landing import LAND_WAIT_S  # noqa: E402
+from hiradix.core.read_landing import LAND_HEAD_REQUESTS, LAND_WAIT_S  # noqa: E402
 from hiradix.core.node import Tier  # noqa: E402
 from hiradix.core.tree import TieredRadixTree, TreeNode  # noqa: E402
 from hiradix.testing.sim_ports import (  # noqa: E402
@@ -361,7 +361,10 @@ class Engine:
             self.cache.observe_queue([r.queued for r in window])
         self.retry_s = None
         if not self.batch and self.waiting:
-            self.cache.land_queued_reads(LAND_WAIT_S)  # as the server's hook: reads about to land join the batch
+            # before admission, as the server's hook: the head's reads about to land join the batch (the
+            # server also waits while decoding, which this model of decode as a delay does not charge)
+            self.cache.land_queued_reads([r.queued for r in itertools.islice(self.waiting, LAND_HEAD_REQUESTS)],
+                                         LAND_WAIT_S)
             self._admit()
         if self.cfg.check_every_step:
             self.check()

@@ -263,8 +263,14 @@ class TierController:
         return occupancy_line(self.tree.tier_tokens, self.books, self.stats, self.store, self.backups.deferred)
 
     def _apply_results_now(self, results: list) -> None:
-        """Single rank only: apply I/O results now (no agreement needed)."""
+        """Single rank only: apply I/O results now (no agreement needed); a store lookup's result
+        is applied as a lookup (as :meth:`step` does), not as a transfer."""
+        lookups = self.store.lookups if self.store is not None else {}
         for result in results:
+            if result.job_id in lookups:
+                self._local_done.pop(result.job_id, None)
+                self.store_link.apply_lookup(result.job_id, self.store_link.agreement_value(result))
+                continue
             self._results[result.job_id] = result
             self._apply(result.job_id, outcome_of(result))
 
@@ -274,21 +280,24 @@ class TierController:
         for op_id in sorted(set(op_ids) | {k for k in self._local_done if k in mover_ops}):
             self._apply(op_id, OK)
 
-    def land_queued_reads(self, timeout_s: float) -> bool:
+    def land_queued_reads(self, head: Sequence[TreeNode], timeout_s: float) -> bool:
         """Right before a prefill batch forms: block up to ``timeout_s`` for the reads into DRAM
-        that queued requests wait on and no earlier batch waited for (:class:`ReadLanding`), then
-        apply what landed (one more agreed step). Returns whether it waited."""
+        of ``head`` (the nodes the requests at the queue's head matched) that no earlier batch
+        waited for (:class:`ReadLanding`; not while such waits keep timing out), then apply what
+        landed with one more agreed step. Returns whether it stepped (the same on every rank)."""
         if self.client is None or self.stop.agreed:
             return False
-        ids = self.landing.to_wait_for(self.books.in_flight(), self.reads_ahead.in_flight)
+        ids = self.landing.to_wait_for(head, self.books.in_flight(), self.reads_ahead.in_flight)
         if not ids:
             return False
-        deadline_s = self.clock() + timeout_s
-        while not ids <= self._local_done.keys():
-            left_s = deadline_s - self.clock()
-            if left_s <= 0 or not self.client.check_alive():
-                break
-            self._record_results(self.client.wait(left_s))
+        if self.landing.worth_waiting():  # this rank's own choice: only the step below is agreed
+            deadline_s = self.clock() + timeout_s
+            while not ids <= self._local_done.keys():
+                left_s = deadline_s - self.clock()
+                if left_s <= 0 or not self.client.check_alive():
+                    break
+                self._record_results(self.client.wait(left_s))
+            self.landing.note(len(ids & self._local_done.keys()), len(ids))
         self.step()
         return True
 

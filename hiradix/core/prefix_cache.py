@@ -326,11 +326,14 @@ class TieredPrefixCache:
         if self.check_every_step:
             self.check_integrity()
 
-    def land_queued_reads(self, timeout_s: float) -> bool:
-        """Right before a prefill batch forms (requests are queued): wait up to ``timeout_s`` for
-        the reads queued requests wait on, then apply what landed, so those requests join this
-        batch instead of waiting for its forward (:mod:`hiradix.core.read_landing`)."""
-        return self.tiers is not None and self.tiers.land_queued_reads(timeout_s)
+    def land_queued_reads(self, head: Sequence[QueuedKey], timeout_s: float) -> bool:
+        """Right before a prefill batch forms: wait up to ``timeout_s`` for the reads the requests
+        at the queue's ``head`` wait on (their keys as :meth:`observe_queue` last peeked them), then
+        apply what landed, so they join this batch instead of waiting for its forward
+        (:mod:`hiradix.core.read_landing`). Returns whether the tiers took one more step."""
+        if self.tiers is None:
+            return False
+        return self.tiers.land_queued_reads([n for key in head for n in key.nodes], timeout_s)
 
     def wait_for_reads(self, timeout_s: float, wake: Sequence[Any] = ()) -> bool:
         """If admission held a request for its reads since the last step, block until an I/O

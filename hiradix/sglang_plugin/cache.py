@@ -267,9 +267,10 @@ class TieredRadixCache(BasePrefixCache):
         """Block (bounded) on the I/O results when admission held a request for its reads."""
         return self.core.wait_for_reads(timeout_s, wake)
 
-    def land_queued_reads(self, timeout_s: float) -> bool:
-        """Before a prefill batch forms: wait (bounded) for the reads queued requests wait on."""
-        return self.core.land_queued_reads(timeout_s)
+    def land_queued_reads(self, head: list, timeout_s: float) -> bool:
+        """Before a prefill batch forms: wait (bounded) for the reads of the requests at the
+        queue's ``head``; True if the tiers took one more step."""
+        return self.core.land_queued_reads([self._queued_key(req) for req in head], timeout_s)
 
     def note_prefill(self, tokens: int, seconds: float) -> None:
         """An extend batch prefilled ``tokens`` in ``seconds`` (load or recompute's prefill rate)."""

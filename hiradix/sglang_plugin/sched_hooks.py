@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from hiradix.core.read_landing import LAND_WAIT_S
+from hiradix.core.read_landing import LAND_HEAD_REQUESTS, LAND_WAIT_S
 
 # A scheduler with nothing to run but requests held for their NVMe or store reads blocks at most
 # this long per loop iteration on the I/O results (or a new request) instead of spinning.
@@ -37,8 +37,14 @@ def after_process_hicache_events(result: Any, scheduler: Any, *args: Any, **kwar
         # in the running batch hold locks on their prefixes, which is stronger protection.
         chunked = getattr(scheduler, "chunked_req", None)
         cache.observe_queue(([chunked] if chunked is not None else []) + list(scheduler.waiting_queue))
-        if scheduler.waiting_queue:  # a prefill batch forms next: reads about to land join it
-            cache.land_queued_reads(LAND_WAIT_S)
+        # A prefill batch forms next: the head's reads about to land join it. The queue and the
+        # batch's room are the same on every TP rank, and so is whether the tiers stepped again.
+        running = scheduler.running_batch
+        if scheduler.waiting_queue and not getattr(running, "batch_is_full", False):
+            head = list(scheduler.waiting_queue)[:LAND_HEAD_REQUESTS]
+            if cache.land_queued_reads(head, LAND_WAIT_S) and cache.stop_signal is not None \
+                    and cache.stop_signal.after_step():
+                return None  # a stop agreed in that step: drained, closed, the process ends
     return None
 
 

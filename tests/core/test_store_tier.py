@@ -445,3 +445,23 @@ def test_persisting_a_prefix_skips_ancestors_only_the_store_holds():
     parent.held = {Tier.HBM, Tier.STORE}  # back in HBM: now it is backed up (then demoted)
     link.persist_prefixes()
     assert [kind.name for kind, _ in prepared] == ["BACKUP"]
+
+
+def test_a_lookup_answer_applied_by_a_write_back_wait_is_applied_as_a_lookup(cluster):
+    """On one rank, write-back eviction applies I/O results as they arrive (``_apply_results_now``):
+    a store lookup's answer among them is applied as the lookup, not as a transfer (it used to
+    stay in ``store.lookups`` forever, and that prefix was never looked up again)."""
+    clock, store, a, b = cluster
+    prompt = keys(7)
+    a.serve(prompt)
+    settle(a)
+    b.cache.match(prompt)
+    (op_id,) = b.tiers.store.lookups
+    results = b.tiers.client.wait(1.0)
+    assert [r.job_id for r in results] == [op_id]
+    b.tiers._apply_results_now(results)
+    assert op_id not in b.tiers.store.lookups
+    node = next(iter(b.tree.root.children.values()))
+    assert node.tiers() == [Tier.STORE] and b.tiers.books.in_flight(Kind.GET)  # found: attached, its GET started
+    settle(b)
+    assert b.admit(prompt)[1].read_from[Tier.STORE] == 6
