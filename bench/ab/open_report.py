@@ -34,6 +34,16 @@ def ttft_distribution(run: SystemRun) -> dict:
             **{f"p{round(q * 100)}": float(np.quantile(values, q)) for q in QUANTILES}}
 
 
+def hits_by_tier(run: SystemRun) -> dict:
+    """Shares of the prompt tokens (all turns) served from HBM (`device`), DRAM (`host`) and below
+    (`storage`: NVMe or the store, HiCache's L3), from the responses' `cached_tokens_details`."""
+    ok = [r for r in run.records if r.ok]
+    prompt = sum(r.prompt_tokens or 0 for r in ok)
+    sums = {"device": sum(r.cached_device_tokens or 0 for r in ok), "host": sum(r.cached_host_tokens or 0 for r in ok),
+            "storage": sum(r.cached_storage_tokens or 0 for r in ok)}
+    return {tier: (n / prompt if prompt else math.nan) for tier, n in sums.items()}
+
+
 def stage_split(run: SystemRun) -> Optional[dict]:
     """Per request, seconds: SGLang's queue time and prefill forward (from `/metrics`), the rest of
     the mean TTFT (all turns), and the client's wait for a slot; None without SGLang's figures."""
@@ -101,12 +111,13 @@ def open_loop_lines(runs: Sequence[SystemRun], rate_per_s: float, max_in_flight:
              f"each system alone on its server; TTFT of turns >= {LATER_TURN} in ms; per request (all turns): "
              "SGLang's queue time and prefill forward, the rest of the TTFT, the client's wait for a slot",
              f"{'system':<10} {'n':>4} {'mean':>6} {'p50':>6} {'p90':>6} {'p99':>6} | {'queue':>6} {'prefill':>7} "
-             f"{'rest':>6} {'wait':>6}"]
+             f"{'rest':>6} {'wait':>6} | hits % of prompt tokens: HBM / DRAM / below"]
     for run in runs:
-        d, split = ttft_distribution(run), stage_split(run) or {}
+        d, split, hits = ttft_distribution(run), stage_split(run) or {}, hits_by_tier(run)
         lines.append(f"{run.system.name:<10} {d['n']:>4} {_ms(d['mean']):>6} {_ms(d['p50']):>6} {_ms(d['p90']):>6} "
                      f"{_ms(d['p99']):>6} | {_ms(split.get('queue_s')):>6} {_ms(split.get('prefill_forward_s')):>7} "
-                     f"{_ms(split.get('rest_s')):>6} {_ms(split.get('client_wait_s')):>6}")
+                     f"{_ms(split.get('rest_s')):>6} {_ms(split.get('client_wait_s')):>6} | "
+                     + " / ".join(f"{hits[t] * 100:.1f}" for t in ("device", "host", "storage")))
     for r in open_loop_ratios(runs):
         b = "HiCache" if r["kind"] == "vs-hicache" else r["b"]
         label = "A/A " if r["kind"] == "aa" else ""

@@ -78,7 +78,7 @@ from bench.common.multiturn import add_workload_args, workload_config_from_args
 from bench.ab.paired import PairedConfig, PairedRecord, run_paired
 from bench.ab.open_loop import OpenLoopConfig, run_open_repeat
 from bench.ab import plots as ab_plots
-from bench.ab.open_report import open_loop_lines, open_loop_ratios, ttft_distribution, stage_split
+from bench.ab.open_report import hits_by_tier, open_loop_lines, open_loop_ratios, stage_split, ttft_distribution
 from bench.ab.servers import flush_caches, server_cpu_seconds, start_servers, warm_up  # noqa: F401 (re-exported)
 from bench.common.server_metrics import fetch_metrics  # noqa: F401 (re-exported)
 from hiradix.testing.server import ServerProcess
@@ -371,8 +371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = write_outputs(runs, run_dir, run_config, SPILL_GOALS if args.spill else DEMO_GOALS)
     if args.open_loop is not None:
         result["open_loop"] = {"rate_per_s": args.open_loop, "max_in_flight": args.concurrency,
-                               "systems": {run.system.name: {"ttft_s": ttft_distribution(run), "split": stage_split(run)}
-                                           for run in runs},
+                               "systems": {run.system.name: {"ttft_s": ttft_distribution(run), "split": stage_split(run),
+                                                             "hits_by_tier": hits_by_tier(run)} for run in runs},
                                "ratios": open_loop_ratios(runs)}
         (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
         ab_plots.plot_open_loop(result["open_loop"], run_dir / "open_loop.png")

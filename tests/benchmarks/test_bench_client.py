@@ -503,6 +503,8 @@ def test_e2e_ab_open_loop_smoke(tiny_model, tmp_path, capsys):
         ttft, split = open_loop["systems"][name]["ttft_s"], open_loop["systems"][name]["split"]
         assert ttft["n"] == 6 and 0 < ttft["p50"] <= ttft["p90"] <= ttft["p99"], (name, ttft)
         assert split["prefill_forward_s"] > 0 and split["queue_s"] >= 0 and split["client_wait_s"] >= 0, (name, split)
+        hits = open_loop["systems"][name]["hits_by_tier"]
+        assert hits["device"] + hits["host"] > 0.1 and hits["storage"] == 0, (name, hits)  # later turns hit; no NVMe here
     assert {(r["a"], r["b"]) for r in open_loop["ratios"]} == {("hiradix", "ideal"), ("ideal2", "ideal")}
     assert (tmp_path / "open_loop.png").stat().st_size > 1000
     out = capsys.readouterr().out
