@@ -35,7 +35,7 @@ from bench.ab.servers import server_cpu_seconds, warm_up
 from bench.ab.systems import System
 from bench.common import server_cpu, server_metrics
 from bench.common.conversations import Session
-from bench.common.multiturn import WorkloadConfig, arrival_times_s, fetch_model_id, send_chat_request
+from bench.common.multiturn import WorkloadConfig, arrival_times_s, fetch_model_id, http_connector, send_chat_request
 from hiradix.testing.server import ServerProcess
 
 logger = logging.getLogger("bench.ab.open_loop")
@@ -104,7 +104,7 @@ async def run_open_loop(url: str, system: str, sessions: Sequence[Session], conf
     records: list[OpenLoopRecord] = []
     timeout = aiohttp.ClientTimeout(total=wl.request_timeout_s)
     async with aiohttp.ClientSession(timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=slots.max_in_flight + 2)) as http:
+                                     connector=http_connector(slots.max_in_flight + 2)) as http:
         model = wl.model or await fetch_model_id(http, url)
         t_start = time.perf_counter()
 

@@ -35,7 +35,8 @@ from typing import Callable, Optional, Sequence
 import aiohttp
 
 from bench.common.conversations import Session
-from bench.common.multiturn import RequestRecord, WorkloadConfig, arrival_times_s, fetch_model_id, send_chat_request
+from bench.common.multiturn import (RequestRecord, WorkloadConfig, arrival_times_s, fetch_model_id, http_connector,
+                                    send_chat_request)
 
 
 @dataclass
@@ -131,7 +132,7 @@ async def run_paired(urls: dict[str, str], sessions: Sequence[Session], config: 
     states = [_SessionState(ready_at_s=a) for a in arrivals]
     records: list[PairedRecord] = []
     async with aiohttp.ClientSession(timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=config.concurrency + 2)) as http:
+                                     connector=http_connector(config.concurrency + 2)) as http:
         models = {n: wl.model or await fetch_model_id(http, urls[n]) for n in names}
         t_start = time.perf_counter()
         round_index = 0

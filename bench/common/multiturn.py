@@ -55,6 +55,18 @@ from bench.common.conversations import Session, load_sessions
 
 logger = logging.getLogger(__name__)
 
+# How long the client keeps an idle connection for reuse, seconds: well under the server's keep-alive
+# (SGLang's uvicorn closes idle connections after SGLANG_TIMEOUT_KEEP_ALIVE, 5 s). aiohttp's default
+# (15 s) reused connections the server was closing at that very moment: a request sent on one fails
+# with "Connection reset by peer" (a paired run's system idles while the others run; a fresh clone's
+# scripts/demo lost one request so, and exited 1).
+CLIENT_KEEPALIVE_S = 1.0
+
+
+def http_connector(limit: int) -> aiohttp.TCPConnector:
+    """The benchmarks' connection pool: `limit` connections, none reused after CLIENT_KEEPALIVE_S idle."""
+    return aiohttp.TCPConnector(limit=limit, keepalive_timeout=CLIENT_KEEPALIVE_S)
+
 
 @dataclass
 class RequestRecord:
@@ -294,7 +306,7 @@ async def run_workload_async(base_url: str, sessions: Sequence[Session], config:
     """Async form of `run_workload`; records sorted by (session_index, turn_index)."""
     base_url = base_url.rstrip("/")
     timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
-    connector = aiohttp.TCPConnector(limit=max(1, config.max_concurrent_sessions) + 2)
+    connector = http_connector(max(1, config.max_concurrent_sessions) + 2)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         model = config.model or await fetch_model_id(http, base_url)
         slots = asyncio.Semaphore(max(1, config.max_concurrent_sessions))

@@ -74,6 +74,7 @@ from bench.soak.observe import (
     snapshot_diffs, store_connection_kinds, store_connection_problems, worker_respawns, worker_socket_dir,
     listening_ports,
 )  # fmt: skip
+from bench.common.multiturn import http_connector
 from bench.soak.run import DRAM_MAPPERS
 from hiradix.testing.mooncake import MooncakeCluster
 from hiradix.testing.router import RouterProcess
@@ -385,7 +386,7 @@ async def soak(fleet: Fleet) -> FleetLoad:
     window = RetryWindow()
     load = FleetLoad(fleet.router.base_url, fleet.stock.base_url, fleet.config.load, window)
     stop = asyncio.Event()
-    connector = aiohttp.TCPConnector(limit=2 * (load.load.hot_slots + load.load.short_slots) + 4)
+    connector = http_connector(2 * (load.load.hot_slots + load.load.short_slots) + 4)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600), connector=connector) as http:
         fleet.t0 = time.monotonic()
         running = asyncio.create_task(load.run(http))

@@ -50,7 +50,7 @@ if __package__ in (None, ""):  # run as a file: python bench/soak/run.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common.conversations import Session, load_sessions
-from bench.common.multiturn import RequestRecord, WorkloadConfig, fetch_model_id, send_chat_request
+from bench.common.multiturn import RequestRecord, WorkloadConfig, fetch_model_id, http_connector, send_chat_request
 from bench.soak.observe import (  # noqa: F401 (SUMMARY_RE, parse_tier_tokens: used by the tests through this module)
     SUMMARY_RE, LogScanner, Snapshot, flush_and_check, http_request, integrity_checking_on, parse_tier_tokens,
     process_alive, server_usage, settled_snapshot, snapshot_diffs, worker_respawns,
@@ -245,7 +245,7 @@ async def load_for(base_url: str, feed: SessionFeed, config: SoakConfig, stats: 
     stays open); `watch(stop)` runs alongside and may set `stop` early."""
     stop = asyncio.Event()
     timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=config.concurrency + 4)) as http:
+    async with aiohttp.ClientSession(timeout=timeout, connector=http_connector(config.concurrency + 4)) as http:
         timer = asyncio.get_running_loop().call_later(seconds, stop.set)
         tasks = [run_load(http, base_url, feed, config, stats, stop)]
         if watch is not None:

@@ -511,3 +511,25 @@ def test_e2e_ab_open_loop_smoke(tiny_model, tmp_path, capsys):
     assert "open loop: Poisson arrivals at 4 requests/s, at most 4 in flight" in out
     assert "hiradix vs ideal, open loop, turns >= 2: TTFT mean " in out
     assert "token-identical outputs hiradix vs ideal: 18/18" in out
+
+
+def test_the_client_never_reuses_a_connection_the_server_may_be_closing():
+    """SGLang's uvicorn closes a keep-alive connection idle for SGLANG_TIMEOUT_KEEP_ALIVE (5 s); a
+    request the client sends on it as it closes fails ("Connection reset by peer": a fresh clone's
+    demo lost one so). The benchmarks' pool drops idle connections well before."""
+    import asyncio
+
+    from sglang.srt.environ import envs
+
+    from bench.common.multiturn import CLIENT_KEEPALIVE_S, http_connector
+
+    async def make():
+        connector = http_connector(4)
+        try:
+            return connector._keepalive_timeout, connector.limit
+        finally:
+            await connector.close()
+
+    keepalive_s, limit = asyncio.run(make())
+    assert keepalive_s == CLIENT_KEEPALIVE_S and limit == 4
+    assert CLIENT_KEEPALIVE_S <= envs.SGLANG_TIMEOUT_KEEP_ALIVE.get() / 4
