@@ -1,2 +1,2 @@
-"""hiradix: a three-tier (HBM -> DRAM -> NVMe) radix prefix cache for SGLang."""
+"""hiradix: a tiered (HBM -> DRAM -> NVMe -> cluster store) radix prefix cache for SGLang."""
 __version__ = "0.1.0"
