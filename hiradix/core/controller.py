@@ -212,9 +212,7 @@ class TierController:
         self.stop.note(expired, self.books)
         for op_id in sorted(finished):
             if op_id in lookups:
-                self._local_done.pop(op_id, None)
-                self._results.pop(op_id, None)
-                self.store_link.apply_lookup(op_id, finished[op_id])
+                self._apply_lookup(op_id, finished[op_id])
             else:
                 self._apply(op_id, finished[op_id])
         self.backups.retry_deferred()  # the room the landed demotions made
@@ -268,11 +266,16 @@ class TierController:
         lookups = self.store.lookups if self.store is not None else {}
         for result in results:
             if result.job_id in lookups:
-                self._local_done.pop(result.job_id, None)
-                self.store_link.apply_lookup(result.job_id, self.store_link.agreement_value(result))
+                self._apply_lookup(result.job_id, self.store_link.agreement_value(result))
                 continue
             self._results[result.job_id] = result
             self._apply(result.job_id, outcome_of(result))
+
+    def _apply_lookup(self, op_id: int, value: int) -> None:
+        """Complete one store lookup (``value``: its agreed found value, :meth:`StoreLink.apply_lookup`)."""
+        self._local_done.pop(op_id, None)
+        self._results.pop(op_id, None)
+        self.store_link.apply_lookup(op_id, value)
 
     def _reap(self, op_ids: list[int]) -> None:
         """Apply in-process copies that every rank finished at the same point (a flush)."""
@@ -287,7 +290,7 @@ class TierController:
         landed with one more agreed step. Returns whether it stepped (the same on every rank)."""
         if self.client is None or self.stop.agreed:
             return False
-        ids = self.landing.to_wait_for(head, self.books.in_flight(), self.reads_ahead.in_flight)
+        ids = self.landing.to_wait_for(head, self.books.ops, self.reads_ahead.in_flight)
         if not ids:
             return False
         if self.landing.worth_waiting():  # this rank's own choice: only the step below is agreed

@@ -23,7 +23,7 @@ the extra step; whether and how long it waits is each rank's own.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Container, Iterable, Mapping
 
 from hiradix.core.ledger import Kind, Transfer
 from hiradix.core.node import TreeNode
@@ -44,13 +44,17 @@ class ReadLanding:
         self.landed_share = 1.0  # decayed share of the reads waited for that landed in time
         self._skipped = 0  # waits skipped in a row since the share fell
 
-    def to_wait_for(self, head: Iterable[TreeNode], in_flight: Iterable[Transfer], background: Iterable[int]) -> set[int]:
-        """The reads into DRAM in flight (``in_flight``: the ledger's transfers) of the ``head``
+    def to_wait_for(self, head: Iterable[TreeNode], ops: Mapping[int, Transfer], background: Container[int]) -> set[int]:
+        """The reads into DRAM in flight (``ops``: the ledger's transfers by id) of the ``head``
         nodes (what the queue's first requests matched) that no earlier batch waited for, less the
         ``background`` ones (predicted returns); marks them as waited for."""
-        wanted = {op_id for node in head for op_id in node.ops} - set(background)
-        ids = {op.op_id for op in in_flight if op.kind in (Kind.PREFETCH, Kind.GET)
-               and op.op_id in wanted and op.op_id not in self._waited}
+        ids = set()
+        for node in head:
+            for op_id in node.ops:
+                op = ops.get(op_id)
+                if (op is not None and op.kind in (Kind.PREFETCH, Kind.GET) and op_id not in background
+                        and op_id not in self._waited):
+                    ids.add(op_id)
         for op_id in sorted(ids):
             self._waited[op_id] = None
         while len(self._waited) > MAX_WAITED_IDS:

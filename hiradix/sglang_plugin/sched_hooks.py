@@ -10,6 +10,7 @@ Each hook is a no-op for any other tree cache.
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -41,7 +42,7 @@ def after_process_hicache_events(result: Any, scheduler: Any, *args: Any, **kwar
         # batch's room are the same on every TP rank, and so is whether the tiers stepped again.
         running = scheduler.running_batch
         if scheduler.waiting_queue and not getattr(running, "batch_is_full", False):
-            head = list(scheduler.waiting_queue)[:LAND_HEAD_REQUESTS]
+            head = list(itertools.islice(scheduler.waiting_queue, LAND_HEAD_REQUESTS))
             if cache.land_queued_reads(head, LAND_WAIT_S) and cache.stop_signal is not None \
                     and cache.stop_signal.after_step():
                 return None  # a stop agreed in that step: drained, closed, the process ends

@@ -93,15 +93,15 @@ def test_nothing_in_flight_waits_nothing_and_background_reads_are_not_waited_for
         ops = {1, 2, 3, 4, 5}
 
     landing = ReadLanding()
-    ops = [Op(1, Kind.PREFETCH), Op(2, Kind.GET), Op(3, Kind.PREFETCH), Op(4, Kind.BACKUP), Op(5, Kind.PUT),
-           Op(6, Kind.PREFETCH)]
-    assert landing.to_wait_for([Node()], ops, background=[3]) == {1, 2}  # the head's reads into DRAM, not background
-    assert landing.to_wait_for([Node()], ops, background=[3]) == set()  # each once
+    ops = {op.op_id: op for op in (Op(1, Kind.PREFETCH), Op(2, Kind.GET), Op(3, Kind.PREFETCH), Op(4, Kind.BACKUP),
+                                   Op(5, Kind.PUT), Op(6, Kind.PREFETCH))}
+    assert landing.to_wait_for([Node()], ops, background={3}) == {1, 2}  # the head's reads into DRAM, not background
+    assert landing.to_wait_for([Node()], ops, background={3}) == set()  # each once
 
     class Each:
         def __init__(self, i):
             self.ops = {i}
 
     for i in range(10, 10 + MAX_WAITED_IDS + 5):
-        landing.to_wait_for([Each(i)], [Op(i, Kind.PREFETCH)], ())
+        landing.to_wait_for([Each(i)], {i: Op(i, Kind.PREFETCH)}, ())
     assert len(landing._waited) == MAX_WAITED_IDS  # bounded memory
