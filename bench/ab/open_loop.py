@@ -31,9 +31,8 @@ from typing import Callable, Optional, Sequence
 import aiohttp
 
 from bench.ab.paired import PairedRecord
-from bench.ab.servers import server_cpu_seconds, warm_up
+from bench.ab.servers import figures_since, snapshot, warm_up
 from bench.ab.systems import System
-from bench.common import server_cpu, server_metrics
 from bench.common.conversations import Session
 from bench.common.multiturn import WorkloadConfig, arrival_times_s, fetch_model_id, http_connector, send_chat_request
 from hiradix.testing.server import ServerProcess
@@ -147,8 +146,7 @@ def run_open_repeat(servers: dict[str, ServerProcess], systems: Sequence[System]
     for name in mirrored_order([s.name for s in systems], repeat):
         server = servers[name]
         warm_up(server.base_url, config.workload, config.max_in_flight)
-        before = server_metrics.parse_snapshot(server_metrics.fetch_metrics(server.base_url))
-        cpu_before = server_cpu_seconds(server)
+        before = snapshot(server)
         t0 = time.perf_counter()
         total = sum(s.num_turns for s in sessions)
 
@@ -159,8 +157,5 @@ def run_open_repeat(servers: dict[str, ServerProcess], systems: Sequence[System]
 
         records += asyncio.run(run_open_loop(server.base_url, name, sessions,
                                              dataclasses.replace(config, repeat=repeat), progress))
-        after = server_metrics.parse_snapshot(server_metrics.fetch_metrics(server.base_url))
-        info[name] = {"startup_s": server.startup_s or float("nan"), "workload_s": time.perf_counter() - t0,
-                      "metrics": server_metrics.delta(after, before),
-                      "cpu": server_cpu.cpu_delta(server_cpu_seconds(server), cpu_before)}
+        info[name] = figures_since(server, before, time.perf_counter() - t0)
     return records, info

@@ -20,7 +20,7 @@ import numpy as np
 from bench.ab.report import LATER_TURN, SystemRun
 from bench.ab.systems import HICACHE, IDEAL
 from bench.common import server_metrics
-from bench.common.stats import LEVEL, RESAMPLES
+from bench.common.stats import paired_statistic_ratio_ci
 
 QUANTILES = (0.5, 0.9, 0.99)
 
@@ -61,23 +61,14 @@ def stage_split(run: SystemRun) -> Optional[dict]:
             "client_wait_s": float(np.mean(waits)) if waits else math.nan}
 
 
-def paired_stat_ratio(a: SystemRun, b: SystemRun, statistic, seed: int = 0) -> dict:
+def paired_stat_ratio(a: SystemRun, b: SystemRun, statistic) -> dict:
     """statistic(a's TTFTs) / statistic(b's) over the turns >= 2 both have, and its bootstrap
-    interval (the same requests resampled on both sides)."""
+    interval (`stats.paired_statistic_ratio_ci`: the same requests resampled on both sides)."""
     def by_key(run: SystemRun) -> dict:
         return {(r.repeat, r.session_index, r.turn_index): r.ttft_s for r in run.records
                 if r.ok and r.ttft_s is not None and r.turn_index >= LATER_TURN}
-    ka, kb = by_key(a), by_key(b)
-    keys = sorted(set(ka) & set(kb))
-    if not keys:
-        return {"ratio": math.nan, "ci": (math.nan, math.nan), "n": 0}
-    xa, xb = np.array([ka[k] for k in keys]), np.array([kb[k] for k in keys])
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(keys), size=(RESAMPLES, len(keys)))
-    samples = statistic(xa[idx], axis=1) / statistic(xb[idx], axis=1)
-    tail = (1 - LEVEL) / 2 * 100
-    lo, hi = np.percentile(samples, [tail, 100 - tail])
-    return {"ratio": float(statistic(xa) / statistic(xb)), "ci": (float(lo), float(hi)), "n": len(keys)}
+    ratio, lo, hi, n = paired_statistic_ratio_ci(by_key(a), by_key(b), statistic)
+    return {"ratio": ratio, "ci": (lo, hi), "n": n}
 
 
 def _p90(x, axis=None):

@@ -66,7 +66,6 @@ if __package__ in (None, ""):  # run as a file: python bench/ab/run.py
 
 import psutil
 
-from bench.common import server_cpu, server_metrics
 from bench.ab.report import SystemRun, format_table, identical_fraction, per_turn_summary, verdict_lines  # noqa: F401
 from bench.ab.report import DEMO_GOALS, SPILL_GOALS, write_outputs
 from bench.ab.systems import (  # noqa: F401 (re-exported: bench.cluster.run and tests use them from here)
@@ -79,7 +78,8 @@ from bench.ab.paired import PairedConfig, PairedRecord, run_paired
 from bench.ab.open_loop import OpenLoopConfig, run_open_repeat
 from bench.ab import plots as ab_plots
 from bench.ab.open_report import hits_by_tier, open_loop_lines, open_loop_ratios, stage_split, ttft_distribution
-from bench.ab.servers import flush_caches, server_cpu_seconds, start_servers, warm_up  # noqa: F401 (re-exported)
+from bench.ab.servers import (  # noqa: F401 (re-exported)
+    figures_since, flush_caches, server_cpu_seconds, snapshot, start_servers, warm_up)
 from bench.common.server_metrics import fetch_metrics  # noqa: F401 (re-exported)
 from hiradix.testing.server import ServerProcess
 
@@ -131,11 +131,10 @@ def run_repeat(servers: dict[str, ServerProcess], systems: Sequence[System], rep
                sessions: Sequence[Session], config: PairedConfig) -> tuple[list[PairedRecord], dict]:
     """One repetition on servers with empty caches; returns its records and, per system,
     `{startup_s, workload_s, metrics}` (`metrics`: the `/metrics` delta over the workload)."""
-    before, cpu_before = {}, {}
+    before = {}
     for name, server in servers.items():
         warm_up(server.base_url, config.workload, config.concurrency)
-        before[name] = server_metrics.parse_snapshot(server_metrics.fetch_metrics(server.base_url))
-        cpu_before[name] = server_cpu_seconds(server)
+        before[name] = snapshot(server)
     order = [s.name for s in systems]
     order = order[repeat % len(order):] + order[: repeat % len(order)]  # round 0's order moves too
     t0 = time.perf_counter()
@@ -148,13 +147,7 @@ def run_repeat(servers: dict[str, ServerProcess], systems: Sequence[System], rep
     records = asyncio.run(run_paired({n: servers[n].base_url for n in order}, sessions,
                                      dataclasses.replace(config, repeat=repeat), progress))
     workload_s = time.perf_counter() - t0
-    info = {}
-    for name, server in servers.items():
-        after = server_metrics.parse_snapshot(server_metrics.fetch_metrics(server.base_url))
-        info[name] = {"startup_s": server.startup_s or float("nan"), "workload_s": workload_s,
-                      "metrics": server_metrics.delta(after, before[name]),
-                      "cpu": server_cpu.cpu_delta(server_cpu_seconds(server), cpu_before[name])}
-    return records, info
+    return records, {name: figures_since(server, before[name], workload_s) for name, server in servers.items()}
 
 
 def build_parser() -> argparse.ArgumentParser:

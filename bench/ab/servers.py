@@ -99,3 +99,18 @@ def server_cpu_seconds(server: ServerProcess) -> dict[str, float]:
         except psutil.NoSuchProcess:
             continue  # ended meanwhile: its seconds are gone with it
     return server_cpu.cpu_seconds_by_role(processes, server.pid)
+
+
+def snapshot(server: ServerProcess) -> tuple[server_metrics.MetricsSnapshot, dict[str, float]]:
+    """The server's `/metrics` counters and its processes' CPU seconds now (`figures_since` takes it)."""
+    return server_metrics.parse_snapshot(server_metrics.fetch_metrics(server.base_url)), server_cpu_seconds(server)
+
+
+def figures_since(server: ServerProcess, before: tuple, workload_s: float) -> dict:
+    """A server's figures over a workload that began at `before` (`snapshot`):
+    `{startup_s, workload_s, metrics, cpu}` (`metrics` and `cpu`: the deltas)."""
+    metrics, cpu = before
+    after = server_metrics.parse_snapshot(server_metrics.fetch_metrics(server.base_url))
+    return {"startup_s": server.startup_s or float("nan"), "workload_s": workload_s,
+            "metrics": server_metrics.delta(after, metrics),
+            "cpu": server_cpu.cpu_delta(server_cpu_seconds(server), cpu)}

@@ -62,6 +62,24 @@ def paired_ratio_items(numerator: dict, denominator: dict) -> list[tuple]:
     return out
 
 
+def paired_statistic_ratio_ci(numerator: dict, denominator: dict, statistic: Callable = np.mean,
+                              resamples: int = RESAMPLES, level: float = LEVEL, seed: int = 0) -> tuple[float, float, float, int]:
+    """statistic(numerator's values) / statistic(denominator's) over the keys both have, and its
+    bootstrap interval with the same keys resampled on both sides (paired: e.g. the mean TTFT of
+    the same requests on two systems). `statistic` takes `axis`. Returns (ratio, low, high, n);
+    NaNs and 0 without common keys."""
+    keys = sorted(set(numerator) & set(denominator))
+    if not keys:
+        return math.nan, math.nan, math.nan, 0
+    a = np.array([numerator[k] for k in keys], dtype=float)
+    b = np.array([denominator[k] for k in keys], dtype=float)
+    idx = np.random.default_rng(seed).integers(0, len(keys), size=(resamples, len(keys)))
+    samples = statistic(a[idx], axis=1) / statistic(b[idx], axis=1)
+    tail = (1.0 - level) / 2 * 100
+    return (float(statistic(a) / statistic(b)), float(np.percentile(samples, tail)),
+            float(np.percentile(samples, 100 - tail)), len(keys))
+
+
 def paired_ratio_ci(ratios: Sequence[float], groups: Optional[Sequence] = None, resamples: int = RESAMPLES,
                     level: float = LEVEL, seed: int = 0) -> tuple[float, float, float]:
     """Median of per-request paired ratios and its bootstrap interval.

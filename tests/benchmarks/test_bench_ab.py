@@ -10,6 +10,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -28,6 +29,17 @@ from bench.ab.paired import PairedConfig, PairedRecord, next_batch, rotation, ru
 from tests.helpers.fake_chat import FakeChatServer  # noqa: E402
 
 # ---------------------------------------------------------------- statistics
+
+
+def test_paired_statistic_ratio_resamples_the_same_keys_on_both_sides():
+    a = {k: 2.0 * (k + 1) for k in range(50)}
+    b = {k: float(k + 1) for k in range(60)}  # 10 keys only b has: not compared
+    ratio, lo, hi, n = stats.paired_statistic_ratio_ci(a, b, np.mean)
+    assert (ratio, lo, hi, n) == (pytest.approx(2.0), pytest.approx(2.0), pytest.approx(2.0), 50)  # paired: exact
+    noisy = {k: v * (1.5 if k % 2 else 0.5) for k, v in a.items()}
+    ratio, lo, hi, _ = stats.paired_statistic_ratio_ci(noisy, b, np.mean)
+    assert lo < ratio < hi
+    assert stats.paired_statistic_ratio_ci({1: 1.0}, {2: 1.0})[3] == 0
 
 
 def test_paired_ratio_ci_median_and_interval():
