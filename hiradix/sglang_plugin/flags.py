@@ -91,7 +91,7 @@ def after_add_cli_args(result: None, parser: argparse.ArgumentParser) -> None:
     problem = hooks.problem(hooks.Scope.CLI, ignore=ADD_CLI_ARGS_TARGET)
     group = parser.add_argument_group(
         "hiradix",
-        "Tiered (HBM -> DRAM -> NVMe) radix prefix cache (hiradix plugin). "
+        "Tiered (HBM -> DRAM -> NVMe -> cluster store) radix prefix cache (hiradix plugin). "
         "Sizes are per TP rank (an MLA model under TP: per node, see --hiradix-mla-host-copy), in GB (1e9 bytes).",
     )
     group.add_argument(

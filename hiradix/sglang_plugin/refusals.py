@@ -52,8 +52,7 @@ class _Conflict:
 
 _DP_DENSE_WHY = ("hiradix serves DP attention with MLA models only (DeepSeek V2/V3, Kimi K2; tested: one tree and tier "
                  "set per DP rank, histories shared between DP ranks through --hiradix-store); dense models with DP "
-                 "attention are not tested, and stock SGLang 0.5.23's Llama is not DP-attention aware (README, 'What "
-                 "hiradix serves', footnote 1); use --tp-size without --attn-dp-size")
+                 "attention are not tested, and stock SGLang 0.5.23's Llama is not DP-attention aware (docs/compatibility.md); use --tp-size without --attn-dp-size")
 
 
 def _gt1(v: Any) -> bool:
