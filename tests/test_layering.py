@@ -1,6 +1,6 @@
 """The architecture, enforced: an ``ast`` walk over every import in the package.
 
-Rules (``DESIGN.md``, "Shape of the code"; the README's layout section):
+Rules (``DESIGN.md``, "Shape of the code"; docs/design.md, "Code map"):
 
 1. ``hiradix/core`` is pure bookkeeping: it imports only the standard-library modules in
    :data:`CORE_STDLIB` and other ``hiradix.core`` modules. No torch, zmq, msgspec, numpy or

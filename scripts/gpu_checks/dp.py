@@ -2,7 +2,7 @@
 
 hiradix refuses ``--attn-dp-size``; this check asks whether *stock* SGLang serves DP attention on
 the GPU machine, the precondition of ever building per-DP-rank trees. On this project's CPU path
-stock SGLang 0.5.23 does not (README, footnote (1) of "What hiradix serves").
+stock SGLang 0.5.23 does not (docs/compatibility.md, DP attention).
 
 What it does, on a machine with >= 2 NVIDIA GPUs and SGLang importable:
 
