@@ -197,6 +197,13 @@ REFUSALS = [
                              '{"master_server_address": "127.0.0.1:1"}', "--hiradix-nvme-path", "/tmp", "--hiradix-nvme-gb", "1"],
      ["--hiradix-nvme-path and --hiradix-nvme-gb do not apply with --disaggregation-mode decode"]),
     ("pipeline-parallel", ["--pp-size", "2"], ["--pp-size 2", "use --tp-size"]),
+    # issue 36: SGLang's cache factory raises for these after the model loaded (UnifiedRadixCache only)
+    ("streaming-session", ["--enable-streaming-session"],
+     ["--enable-streaming-session", "UnifiedRadixCache", "serve them without --enable-hiradix"]),
+    ("session-radix-cache", ["--enable-session-radix-cache"], ["--enable-session-radix-cache", "drop the flag"]),
+    ("eviction-policy-tlru", ["--radix-eviction-policy", "tlru"],
+     ["--radix-eviction-policy tlru", "use --hiradix-policy"]),
+    ("eviction-policy-lfu", ["--radix-eviction-policy", "lfu"], ["--radix-eviction-policy lfu", "use --hiradix-policy"]),
     ("nvme-gb-without-path", ["--hiradix-nvme-gb", "1"], ["--hiradix-nvme-gb 1 needs --hiradix-nvme-path"]),
     ("dram-negative", ["--hiradix-dram-gb", "-1"], ["--hiradix-dram-gb must be > 0, got -1"]),
     ("dram-over-ram", ["--hiradix-dram-gb", "1000000"], ["--hiradix-dram-gb 1000000 needs", "available"]),
@@ -217,7 +224,8 @@ REFUSALS = [
 # Rows of REFUSALS that also go through a real launcher process: one SGLang conflict, one
 # hiradix value error, one machine check. The wiring (plugin loaded, hooks applied, exit status
 # 2 before any model loads) is the same for every row; the rows' messages are checked in-process.
-LAUNCHER_REFUSALS = ("hierarchical-cache", "nvme-gb-without-path", "dram-over-ram")
+LAUNCHER_REFUSALS = ("hierarchical-cache", "nvme-gb-without-path", "dram-over-ram", "streaming-session",
+                     "eviction-policy-tlru")
 
 
 def refused_in_process(argv: list[str], monkeypatch, capsys) -> str:
