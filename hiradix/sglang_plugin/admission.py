@@ -108,9 +108,13 @@ def after_get_worker_info(result: tuple, worker: Any, *args: Any, **kwargs: Any)
     )
     new_limit = min(sglang_limit, limit + 1)
     logger.info(
-        "hiradix: prompts up to %d tokens are admitted (KV pool %d tokens in pages of %d, one page "
-        "reserved per request); longer ones are refused up front (max_req_input_len %d -> %d)",
-        limit, allocator.available_size(), allocator.page_size, sglang_limit, new_limit,
+        "hiradix: prompts up to %d tokens are admitted (KV pool: %d of %d tokens free at start, pages of %d); "
+        "longer ones are refused up front (max_req_input_len %d -> %d). The %d tokens below SGLang's own limit "
+        "are what its prefill admission reserves at this page size (the page-rounded prompt, one page per "
+        "request and one generated token): stock SGLang at the same --page-size leaves such prompts waiting at "
+        "the head of the queue",
+        limit, allocator.available_size(), max_total_tokens, allocator.page_size, sglang_limit, new_limit,
+        sglang_limit - 1 - limit,
     )
     out = list(result)
     out[WORKER_INFO_MAX_INPUT_INDEX] = new_limit
