@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-message-chars", type=int, default=1500)
     p.add_argument("--max-turns", type=int, default=8)
     p.add_argument("--out", type=Path, default=Path("runs/overflow/quality"))
-    p.add_argument("--figure", type=Path, default=Path("bench/figures/issue20_overflow_quality.png"))
+    p.add_argument("--figure", type=Path, default=Path("bench/figures/overflow_quality.png"))
     p.add_argument("--report-only", action="store_true",
                    help="no servers: recompute the tables and figure from --out's records.json and result.json")
     return p

@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-message-chars", type=int, default=1500)
     p.add_argument("--max-turns", type=int, default=8)
     p.add_argument("--out", type=Path, default=Path("runs/overflow/ttft"))
-    p.add_argument("--figure", type=Path, default=Path("bench/figures/issue20_overflow_ttft.png"))
+    p.add_argument("--figure", type=Path, default=Path("bench/figures/overflow_ttft.png"))
     p.add_argument("--report-only", action="store_true", help="no servers: redo the tables and figure from --out")
     return p
 
