@@ -657,14 +657,7 @@ def test_refusal_is_a_system_exit_with_one_line(monkeypatch, llama_dir, capsys):
 # ------------------------------------------------------------- HiRadixConfig units
 
 
-def test_readme_flag_table_is_the_help_text():
-    """Issue 14: `--help` and the README say the same: each row is the flag's help and default."""
-    from hiradix.config import FLAGS
-
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    for spec in FLAGS:
-        default = "none" if spec.default is None else f"{spec.default:g}" if isinstance(spec.default, float) else spec.default
-        assert f"| `{spec.flag}` | {spec.help} | {default} |" in readme, spec.flag
+# The flag table of docs/configuration.md against `--help`: tests/docs/test_configuration_doc.py.
 
 
 def test_config_defaults():

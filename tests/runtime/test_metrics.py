@@ -1,9 +1,9 @@
-"""hiradix's Prometheus series, the README's table of them, and the Grafana dashboard (issue 14).
+"""hiradix's Prometheus series and the Grafana dashboard (issue 14).
 
 * Every series of ``hiradix.runtime.metrics.SERIES`` is exported from construction, every label
   set at 0 (counters) or at its capacity (gauges), with SGLang's naming conventions.
 * Counters advance by deltas of the cumulative stats, never twice for the same total.
-* The README's metrics table lists exactly these series.
+* docs/metrics.md's table of them: tests/docs/test_metrics_doc.py.
 * ``dashboards/hiradix.json``: no Grafana server installs here (not in Debian; Grafana's own
   downloads are not reachable) and npm's ``@grafana/schema`` ships TypeScript types, not a JSON
   Schema. So the dashboard is parsed by Grafana's foundation SDK models (generated from
@@ -139,12 +139,6 @@ def test_counters_advance_by_deltas_and_gauges_follow_the_tree():
     assert got[("sglang:hiradix_store_pages_total", (("op", "skipped_slow"),))] == 7
     assert got[("sglang:hiradix_store_read_bytes_per_s", ())] == 2e8
     assert got[("sglang:hiradix_prefill_tokens_per_s", ())] == 1e4
-
-
-def test_readme_lists_every_series():
-    readme = (REPO / "README.md").read_text()
-    listed = set(re.findall(r"^\| `(sglang:hiradix_[a-z_]+)`", readme, re.M))
-    assert listed == set(SERIES_BY_NAME), (listed ^ set(SERIES_BY_NAME))
 
 
 # ------------------------------------------------------------------ the Grafana dashboard
