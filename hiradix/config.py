@@ -551,6 +551,25 @@ def _is_writable_dir(path: Path) -> bool:
         return False
 
 
+NVME_SLOT_FILES = "hiradix-rank*/nvme.kv"  # the NVMe tier's slot files under --hiradix-nvme-path (tiers.nvme)
+
+
+def existing_slot_file_bytes(nvme_path: Path) -> int:
+    """Disk bytes the NVMe slot files of an earlier run already take under ``nvme_path``.
+
+    A server reuses (same fingerprint) or replaces its rank's slot file at start, so these bytes
+    are free for it: a restart with the same sizes must not be refused for the space its own
+    pre-allocated files hold.
+    """
+    total = 0
+    for slot_file in nvme_path.glob(NVME_SLOT_FILES):
+        try:
+            total += slot_file.stat().st_blocks * 512
+        except OSError:
+            continue
+    return total
+
+
 def check_machine(config: HiRadixConfig, *, ranks_on_this_node: int = 1) -> None:
     """Check that this machine can hold the configured tiers. Reads, creates nothing.
 
@@ -597,7 +616,8 @@ def check_machine(config: HiRadixConfig, *, ranks_on_this_node: int = 1) -> None
             f"(nearest existing parent: {_nearest_existing(path)})"
         )
     nvme_needed = config.nvme_bytes * ranks
-    nvme_free = shutil.disk_usage(base).free
+    # The slot files of an earlier run are reused (or replaced) at start: their bytes count as free.
+    nvme_free = shutil.disk_usage(base).free + existing_slot_file_bytes(base)
     if nvme_needed > nvme_free:
         raise HiRadixConfigError(
             f"{FLAG_OF_FIELD['nvme_bytes']} {_gb(config.nvme_bytes)}{times} needs "
