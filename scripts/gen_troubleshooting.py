@@ -57,7 +57,9 @@ LOG_LEVELS = {"warning": "warning", "error": "error", "exception": "error", "cri
 # Functions whose returned strings are the reasons other messages quote. A name listed here
 # that the module no longer defines stops the script, so this list cannot rot silently.
 REASON_FUNCTIONS: dict[str, tuple[str, ...]] = {
-    "hiradix/sglang_plugin/model_check.py": ("unsupported_model_reason", "unsupported_model_config_reason"),
+    "hiradix/sglang_plugin/model_check.py": ("unsupported_model_reason", "unsupported_model_config_reason",
+                                              "unservable_architecture_reason", "sliding_window_reason",
+                                              "unsupported_device_pool_reason"),
     "hiradix/sglang_plugin/refusals.py": ("unsupported_build_context",),
     "hiradix/sglang_plugin/hooks.py": ("package_problem", "describe_missing"),
     "hiradix/tiers/store/mooncake.py": ("probe", "master_unreachable_reason", "probe_in_this_process",

@@ -11,13 +11,15 @@ so `/v1/chat/completions` works. The same preset and seed give the same bytes.
     python scripts/make_model.py --preset tiny  --out models/tiny   # tests: 2 layers, hidden 256
     python scripts/make_model.py --preset small --out models/small  # benchmarks: 8 layers, hidden 1024, GQA
     python scripts/make_model.py --preset tiny-deepseek-v2           # MLA + MoE (also tiny-deepseek-v3, tiny-kimi-k2)
+    python scripts/make_model.py --preset tiny-gemma3                # Gemma 3: sliding-window layers + a global one
     python scripts/make_model.py --preset trained                    # 4 layers, hidden 256, GQA, TRAINED (~10 min)
 
 The `trained` preset is the one model whose predictions mean something: it is trained here on
 the CPU on ShareGPT chats (scripts/train_small_llama.py: data, loop, budget in tokens) and its
 stamp records the held-out perplexity. It shares the tokenizer of every other preset.
 
-The DeepSeek-architecture presets (MLA attention, MoE) are described in scripts/deepseek_arch.py.
+The DeepSeek-architecture presets (MLA attention, MoE) are described in scripts/deepseek_arch.py,
+the Gemma 3 one (sliding-window attention) in scripts/gemma_arch.py.
 
 Re-running with the same preset, seed and script version finds `hiradix_model.json`
 in the output directory and exits at once.
@@ -40,6 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # bench.common.conversations (training data)
 from deepseek_arch import MLA_PRESETS, MLAPreset, mla_model_config, mla_weight_shapes  # noqa: E402
+from gemma_arch import GEMMA_PRESETS, GemmaPreset, gemma_model_config, gemma_weight_shapes  # noqa: E402
 from training_plan import TRAINING_VERSION, TrainingPlan  # noqa: E402
 
 # Bump when anything that changes the output bytes changes.
@@ -58,7 +61,7 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-INIT_STD = 0.02  # normal init of every linear and embedding weight; norms are ones
+INIT_STD = 0.02  # normal init of every linear and embedding weight; norms are the identity
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,7 @@ PRESETS = {
     "trained": Preset(num_hidden_layers=4, hidden_size=256, intermediate_size=704,
                       num_attention_heads=4, num_key_value_heads=2),
     **MLA_PRESETS,
+    **GEMMA_PRESETS,
 }
 # Presets whose weights are trained (scripts/train_small_llama.py), with their plan. Measured here
 # (1 thread, shared 2-core machine): 2,200-2,900 training tokens/s; 1.6M tokens took 571 s (the
@@ -247,9 +251,11 @@ def tokenizer_config(special_ids: dict[str, int]) -> dict:
 # Model
 # ---------------------------------------------------------------------------------------------
 
-def model_config(p: Preset | MLAPreset, special_ids: dict[str, int]) -> dict:
+def model_config(p: Preset | MLAPreset | GemmaPreset, special_ids: dict[str, int]) -> dict:
     if isinstance(p, MLAPreset):
         return mla_model_config(p, special_ids, VOCAB_SIZE, INIT_STD, BOS, EOS, PAD)
+    if isinstance(p, GemmaPreset):
+        return gemma_model_config(p, special_ids, VOCAB_SIZE, INIT_STD, BOS, EOS, PAD)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -278,10 +284,12 @@ def model_config(p: Preset | MLAPreset, special_ids: dict[str, int]) -> dict:
     }
 
 
-def weight_shapes(p: Preset | MLAPreset) -> dict[str, tuple[int, ...]]:
-    """Every tensor of LlamaForCausalLM (or of the DeepSeek model of an MLA preset), by its checkpoint name."""
+def weight_shapes(p: Preset | MLAPreset | GemmaPreset) -> dict[str, tuple[int, ...]]:
+    """Every tensor of LlamaForCausalLM (or of the DeepSeek or Gemma model of a preset), by its checkpoint name."""
     if isinstance(p, MLAPreset):
         return mla_weight_shapes(p, VOCAB_SIZE)
+    if isinstance(p, GemmaPreset):
+        return gemma_weight_shapes(p, VOCAB_SIZE)
     h, hd = p.hidden_size, p.hidden_size // p.num_attention_heads
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB_SIZE, h)}
     for i in range(p.num_hidden_layers):
@@ -300,15 +308,17 @@ def weight_shapes(p: Preset | MLAPreset) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def build_weights(p: Preset | MLAPreset, seed: int):
-    """Random float32 weights: one generator, tensors drawn in name order."""
+def build_weights(p: Preset | MLAPreset | GemmaPreset, seed: int):
+    """Random float32 weights: one generator, tensors drawn in name order; norms are the identity
+    (ones; zeros for Gemma, whose RMSNorm scales by 1 + weight)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
     out = {}
+    norm_init = torch.zeros if isinstance(p, GemmaPreset) else torch.ones
     for name, shape in sorted(weight_shapes(p).items()):
         if name.endswith("norm.weight"):
-            out[name] = torch.ones(shape, dtype=torch.float32)
+            out[name] = norm_init(shape, dtype=torch.float32)
         else:
             out[name] = torch.empty(shape, dtype=torch.float32).normal_(0.0, INIT_STD, generator=gen)
     return out

@@ -17,14 +17,21 @@ def create_hiradix_cache(ctx: TreeCacheBuildContext) -> TieredRadixCache:
     """Factory registered with SGLang's radix-cache backend registry under ``hiradix``.
 
     Raises:
-        RuntimeError: the hiradix config did not reach this process.
+        RuntimeError: the hiradix config did not reach this process, or SGLang built a device KV
+            pool hiradix does not tier (a hybrid SWA or linear-attention pool: the message names why).
     """
     from sglang.srt.managers.cache_controller import LayerDoneCounter
 
+    from hiradix.sglang_plugin.model_check import unsupported_device_pool_reason
     from hiradix.sglang_plugin.plugin import config_from_server_args
 
     config = config_from_server_args(ctx.server_args)
     kv_pool = ctx.tp_worker.model_runner.token_to_kv_pool
+    reason = unsupported_device_pool_reason(kv_pool)
+    if reason is not None:
+        raise RuntimeError(f"hiradix: cannot build the cache: {reason}")
+    logger.info("hiradix: device KV pool %s (every layer's KV in one pool; hybrid_swa=%s)",
+                type(kv_pool).__name__, ctx.is_hybrid_swa)
     identity = None
     if config.nvme_bytes > 0 or config.has_store_tier:
         from hiradix.persistence.fingerprint import model_identity, weights_stamp

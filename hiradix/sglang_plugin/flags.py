@@ -12,8 +12,10 @@ installs the launcher's stop hooks when tiers below DRAM may have writes to drai
 (`hiradix.sglang_plugin.stop`, `--hiradix-stop-timeout-s`),
 stashes the config as `server_args._hiradix_config` (bookkeeping attributes ride the pickled
 record to the spawned schedulers) and exports it as `HIRADIX_CONFIG` (JSON fallback); `after_resolve_once` re-checks what SGLang's own resolution
-decided. Without `--enable-hiradix` they change nothing, except refusing a `--hiradix-*` flag
-given on its own.
+decided, and decides on sliding-window models there (served when SGLang's resolved
+`--disable-hybrid-swa-memory`, its own or the user's, or a window no shorter than the context puts
+every layer's KV in one full pool). Without `--enable-hiradix` they change nothing, except refusing
+a `--hiradix-*` flag given on its own.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from hiradix.config import ENV_VAR, FLAGS, VALUE_FLAGS, HiRadixConfig, HiRadixCo
 from hiradix.core.policy import make_policy
 from hiradix.sglang_plugin import hooks
 from hiradix.sglang_plugin.model_check import (
+    DISABLE_HYBRID_SWA_FLAG,
     SERVED_MODELS,
     is_mla_config,
     model_config_is_mla,
     read_hf_config,
+    unservable_architecture_reason,
     unsupported_model_config_reason,
     unsupported_model_reason,
 )
@@ -168,7 +172,8 @@ def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -
     is_mla = found is not None and is_mla_config(found[0])
     if found is not None:
         hf_config, where = found
-        reason = unsupported_model_reason(hf_config)
+        # A sliding window waits for SGLang's resolution (its overrides may disable hybrid SWA memory).
+        reason = unservable_architecture_reason(hf_config)
         if reason is not None:
             refuse(
                 f"--model-path {result.model_path} is {reason} (from {where}); {SERVED_MODELS}"
@@ -212,6 +217,15 @@ def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -
     return None
 
 
+def refuse_model(model_path: Any, reason: str | None) -> None:
+    """Refuse the model for `reason` (None: served); a sliding-window reason names its own remedy."""
+    if reason is None:
+        return
+    if DISABLE_HYBRID_SWA_FLAG in reason:
+        refuse(f"--model-path {model_path} is {reason}")
+    refuse(f"--model-path {model_path} is {reason}; {SERVED_MODELS}")
+
+
 def refuse_context_overflow_with_pd(server_args: Any) -> None:
     """A PD pair would cut the prompt twice, on two trees that differ (the decode side keeps none)."""
     mode = getattr(server_args, "disaggregation_mode", None)
@@ -253,13 +267,15 @@ def after_resolve_once(result: None, server_args: Any) -> None:
             f"configuration, which --enable-hiradix cannot serve ({rule.why})"
         )
     model_config = getattr(server_args, "_model_config", None)
+    disable_swa = bool(getattr(view, "disable_hybrid_swa_memory", False))
     if model_config is not None:
-        reason = unsupported_model_config_reason(model_config)
-        if reason is not None:
-            refuse(
-                f"--model-path {view.model_path} is {reason}; {SERVED_MODELS}"
-            )
+        reason = unsupported_model_config_reason(model_config, disable_hybrid_swa_memory=disable_swa)
+        refuse_model(view.model_path, reason)
         refuse_dp_attention_unless_mla(view, model_config_is_mla(model_config))
+    else:  # no ModelConfig from the resolution: the config.json rules, with the resolved flags
+        found = read_hf_config(str(view.model_path), getattr(view, "revision", None))
+        if found is not None:
+            refuse_model(view.model_path, unsupported_model_reason(found[0], disable_swa, view.context_length))
     setattr(server_args, _CHECKED_ATTR, True)
     turned_on = getattr(server_args, _TURNED_ON_ATTR, ())
     logger.info("hiradix: enabled (%s, page_size=%s)%s", config.summary(), view.page_size,

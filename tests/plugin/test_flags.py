@@ -20,6 +20,7 @@ import inspect
 import json
 import math
 import os
+import shutil
 import pickle
 import re
 import subprocess
@@ -79,6 +80,24 @@ SWA_HYBRID_CONFIG = {
     "sliding_window": 128,
     "layer_types": ["sliding_attention", "full_attention"],
 }
+# Gemma-3-1B-like config.json, scaled down (transformers 4's form: the pattern, no layer_types):
+# SGLang's model override turns on --disable-hybrid-swa-memory, so its KV is in one full pool.
+GEMMA3_CONFIG = {
+    **LLAMA_CONFIG,
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "num_hidden_layers": 6,
+    "head_dim": 64,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 64,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+}
+# Qwen2 with its sliding window on (window 1024 < context 2048): not a hybrid-SWA architecture in SGLang.
+QWEN2_SWA_CONFIG = {**LLAMA_CONFIG, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                    "use_sliding_window": True, "sliding_window": 1024, "max_window_layers": 0}
 # HRM-Text passes the config.json rules, but SGLang's resolution disables the radix cache.
 HRM_TEXT_CONFIG = {**LLAMA_CONFIG, "architectures": ["HrmTextForCausalLM"], "model_type": "hrm_text"}
 
@@ -305,21 +324,44 @@ def test_refuses_backend_name_without_enable(monkeypatch, capsys, cpu_flags, lla
 
 @pytest.mark.parametrize(
     "config, expected",
-    [(DSA_CONFIG, "a DeepSeek sparse-attention (DSA) model"), (SWA_HYBRID_CONFIG, "a hybrid-attention model")],
-    ids=["dsa", "sliding-window-hybrid"],
+    [(DSA_CONFIG, "a DeepSeek sparse-attention (DSA) model"),
+     ({**LLAMA_CONFIG, "attention_chunk_size": 8192}, "a chunked local-attention model")],
+    ids=["dsa", "llama4-chunked"],
 )
 def test_refuses_unsupported_architecture(monkeypatch, capsys, cpu_flags, tmp_path, config, expected):
+    """Refused from config.json before SGLang's resolution, --disable-hybrid-swa-memory or not."""
     model_dir = write_model_dir(tmp_path, "model", config)
-    line = refused_in_process(["--model-path", str(model_dir), *cpu_flags, "--enable-hiradix"], monkeypatch, capsys)
+    argv = ["--model-path", str(model_dir), *cpu_flags, "--enable-hiradix", "--disable-hybrid-swa-memory"]
+    line = refused_in_process(argv, monkeypatch, capsys)
     assert f"--model-path {model_dir} is" in line and expected in line, line
+    assert "--enable-hierarchical-cache" in line  # SERVED_MODELS: what to use instead
+
+
+@pytest.mark.parametrize("config", [SWA_HYBRID_CONFIG, GEMMA3_CONFIG, QWEN2_SWA_CONFIG],
+                         ids=["gpt-oss", "gemma3", "qwen2-swa"])
+def test_sliding_window_configs_wait_for_sglang_resolution(monkeypatch, cpu_flags, tmp_path, config):
+    """Issue 33: config.json alone does not decide a sliding-window model (SGLang's model overrides
+    may turn on --disable-hybrid-swa-memory); `after_resolve_once` does."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    model_dir = write_model_dir(tmp_path, "model", config)
+    args = parse_in_process(["--model-path", str(model_dir), *cpu_flags, "--enable-hiradix", "--hiradix-dram-gb",
+                             "0.01"], monkeypatch)
+    assert args.radix_cache_backend == "hiradix"
+
+
+# ``--attention-backend triton``: SGLang's resolution accepts no other backend for gpt-oss (resolution only).
+TRITON = ["--attention-backend", "triton"]
 
 
 @pytest.mark.e2e
 def test_launcher_refuses_unsupported_architecture(venv_python, cpu_env, cpu_flags, tmp_path):
+    # gpt-oss: SGLang serves its sliding layers from a separate SWA pool; refused after SGLang's
+    # resolution (resolve_once hook), in the launcher, before any subprocess or weight loading.
     model_dir = write_model_dir(tmp_path, "model", SWA_HYBRID_CONFIG)
-    args = ["--model-path", str(model_dir), *cpu_flags, "--enable-hiradix"]
+    args = ["--model-path", str(model_dir), *cpu_flags, *TRITON, "--enable-hiradix"]
     assert_refused(launch(venv_python, args, cpu_env, tmp_path), f"--model-path {model_dir} is",
-                   "a hybrid-attention model")
+                   "a sliding-window model", "separate SWA pool", "add --disable-hybrid-swa-memory to serve it",
+                   resolved=True)
 
 
 @pytest.mark.e2e
@@ -495,6 +537,59 @@ def parse_in_process(argv: list[str], monkeypatch) -> object:
     result = from_cli_args(ServerArgs, namespace)
     assert flags.after_from_cli_args(result, ServerArgs, namespace) is None
     return result
+
+
+def resolved_in_process(argv: list[str], monkeypatch) -> object:
+    """`parse_in_process`, then SGLang's resolution (`resolve_once`: the model's config, no
+    weights) and our check of what it decided (`after_resolve_once`), as the launcher runs them."""
+    args = parse_in_process(argv, monkeypatch)
+    args.resolve_once()
+    flags.after_resolve_once(None, args)
+    return args
+
+
+# Issue 33: sliding-window models after SGLang's resolution. (id, config, flags, None = served |
+# texts of the refusal). gpt-oss refused as SGLang serves it (SWA pool): tests/e2e/test_e2e_sliding_full_pool.py.
+RESOLVED_SLIDING = [
+    ("gemma3-sglang-override", GEMMA3_CONFIG, [], None),
+    ("gpt-oss-full-pool", SWA_HYBRID_CONFIG, [*TRITON, "--disable-hybrid-swa-memory"], None),
+    ("gpt-oss-window-covers-context", SWA_HYBRID_CONFIG, [*TRITON, "--context-length", "128"],
+     ["that SGLang serves from a separate SWA pool", "add --disable-hybrid-swa-memory to serve it"]),
+    # Qwen2's sliding window is not a hybrid-SWA architecture to SGLang: one full pool, served as stock serves it.
+    ("qwen2-swa", QWEN2_SWA_CONFIG, [], None),
+    ("qwen2-swa-window-covers-context", QWEN2_SWA_CONFIG, ["--context-length", "1024"], None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("config, extra, expected", [r[1:] for r in RESOLVED_SLIDING], ids=[r[0] for r in RESOLVED_SLIDING])
+def test_sliding_window_models_are_decided_by_sglang_resolution(monkeypatch, capsys, cpu_flags, tmp_path, config,
+                                                                extra, expected):
+    """Served where SGLang's resolution puts every layer's KV in one full pool (its
+    --disable-hybrid-swa-memory, the user's or its own override, or an architecture SGLang does not
+    serve with hybrid SWA memory); refused otherwise, naming the flag, before any weights load."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.configs.model_config import is_hybrid_swa_model
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    model_dir = write_model_dir(tmp_path, "model", config)
+    argv = ["--model-path", str(model_dir), *cpu_flags, *extra, "--enable-hiradix", "--hiradix-dram-gb", "0.01"]
+    if expected is not None:
+        capsys.readouterr()
+        with pytest.raises(refusals.HiRadixRefusal) as caught:
+            resolved_in_process(argv, monkeypatch)
+        assert f"--model-path {model_dir} is a sliding-window model" in str(caught.value)
+        for text in expected:
+            assert text in str(caught.value), str(caught.value)
+        assert "--enable-hierarchical-cache" not in str(caught.value)  # the flag is the remedy here
+        return
+    args = resolved_in_process(argv, monkeypatch)
+    # What the scheduler's ModelConfig derives (is_hybrid_swa): False, so SGLang builds one full pool.
+    model_config = args._model_config
+    assert not (is_hybrid_swa_model(model_config.hf_config.architectures, model_config.hf_text_config)
+                and not resolving_view(args).disable_hybrid_swa_memory)
+    if config is GEMMA3_CONFIG:  # not the user's flag: SGLang's override for Gemma 2/3 turned it on
+        assert args.disable_hybrid_swa_memory is False and resolving_view(args).disable_hybrid_swa_memory is True
+        assert flags._declared_by(args, "disable_hybrid_swa_memory") is not None
 
 
 @pytest.mark.parametrize("dp_flags", [["--attn-dp-size", "2"], ["--dp-size", "2", "--enable-dp-attention"]],
@@ -806,41 +901,104 @@ def test_check_machine(tmp_path):
     check_machine(HiRadixConfig(nvme_path=tmp_path, nvme_bytes=1))
 
 
+def test_check_machine_counts_an_earlier_runs_slot_files_as_free(tmp_path, monkeypatch):
+    """A restart with the same sizes is not refused for the disk its own pre-allocated slot file
+    holds (found by `hiradix doctor`'s review: free space excludes the existing nvme.kv)."""
+    slot_bytes = 32 << 20
+    restarted, fresh = tmp_path / "restarted", tmp_path / "fresh"
+    (restarted / "hiradix-rank0").mkdir(parents=True)
+    fresh.mkdir()
+    fd = os.open(restarted / "hiradix-rank0" / "nvme.kv", os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, slot_bytes)
+    finally:
+        os.close(fd)
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real_usage(p)._replace(free=4 << 20))
+    check_machine(HiRadixConfig(nvme_path=restarted, nvme_bytes=slot_bytes))
+    with pytest.raises(HiRadixConfigError, match=r"^--hiradix-nvme-gb .* has 0.00 GB free"):
+        check_machine(HiRadixConfig(nvme_path=fresh, nvme_bytes=slot_bytes))
+
+
 # ------------------------------------------------------- model architecture rules
 
 
+NO_SWA_POOL = {"disable_hybrid_swa_memory": True}  # SGLang's resolved --disable-hybrid-swa-memory
+QWEN2_LONG = {**QWEN2_SWA_CONFIG, "sliding_window": 4096, "max_position_embeddings": 32768}
+
+
 @pytest.mark.parametrize(
-    "config, expected",
+    "config, resolved, expected",
     [
-        (LLAMA_CONFIG, None),
+        (LLAMA_CONFIG, {}, None),
         ({**LLAMA_CONFIG, "model_type": "qwen3", "layer_types": ["full_attention"] * 2,
-          "sliding_window": None, "use_sliding_window": False}, None),
-        ({**LLAMA_CONFIG, "model_type": "mistral", "sliding_window": 4096}, None),
-        (MLA_CONFIG, None),  # served since issue 18
-        ({"architectures": ["KimiVLForConditionalGeneration"], "text_config": MLA_CONFIG}, None),
-        (DSA_CONFIG, "a DeepSeek sparse-attention (DSA) model"),
-        (SWA_HYBRID_CONFIG, "a hybrid-attention model (layer_types has ['full_attention', 'sliding_attention'])"),
-        ({**LLAMA_CONFIG, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096},
-         "a sliding-window model"),
-        ({**LLAMA_CONFIG, "model_type": "gemma3_text", "sliding_window_pattern": 6}, "a sliding-window hybrid"),
-        ({**LLAMA_CONFIG, "model_type": "jamba", "attn_layer_period": 8}, "a Mamba/SSM/linear-attention hybrid"),
-        ({**LLAMA_CONFIG, "model_type": "nemotron_h", "hybrid_override_pattern": "M-M*"}, "a Mamba/SSM"),
-        ({**LLAMA_CONFIG, "layer_types": ["linear_attention", "full_attention"]}, "a hybrid-attention model"),
-        ({"architectures": ["WhisperForConditionalGeneration"], "model_type": "whisper"}, "an encoder-decoder"),
-        ({"architectures": ["T5ForConditionalGeneration"], "is_encoder_decoder": True}, "an encoder-decoder"),
-        ({"architectures": ["X"], "text_config": {**LLAMA_CONFIG, "cross_attention_layers": [3, 8]}},
+          "sliding_window": None, "use_sliding_window": False}, {}, None),
+        ({**LLAMA_CONFIG, "model_type": "mistral", "sliding_window": 4096}, {}, None),
+        (MLA_CONFIG, {}, None),  # served since issue 18
+        ({"architectures": ["KimiVLForConditionalGeneration"], "text_config": MLA_CONFIG}, {}, None),
+        # issue 33: sliding windows are served from one full pool, refused (naming the flag) otherwise
+        (SWA_HYBRID_CONFIG, {}, "a sliding-window model (layer_types has ['full_attention', 'sliding_attention'], "
+                                "sliding_window=128) whose window (128 tokens) is shorter than the context (2048 tokens)"),
+        (SWA_HYBRID_CONFIG, NO_SWA_POOL, None),
+        (SWA_HYBRID_CONFIG, {"context_length": 128}, None),  # config alone: SGLang's hybrid flag decides later
+        (SWA_HYBRID_CONFIG, {"context_length": 129}, "a sliding-window model"),
+        (QWEN2_LONG, {}, "a sliding-window model (use_sliding_window=true, sliding_window=4096)"),
+        (QWEN2_LONG, {"context_length": 4096}, None),
+        ({**LLAMA_CONFIG, "model_type": "gemma3_text", "sliding_window_pattern": 6},
+         {}, "a sliding-window model (sliding_window_pattern=6, sliding_window=None) whose window (size not stated)"),
+        ({**LLAMA_CONFIG, "model_type": "gemma3_text", "sliding_window_pattern": 6}, NO_SWA_POOL, None),
+        ({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": GEMMA3_CONFIG}, {}, "a sliding-window model"),
+        ({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": GEMMA3_CONFIG}, NO_SWA_POOL, None),
+        # not tiered, whatever SGLang resolves
+        (DSA_CONFIG, NO_SWA_POOL, "a DeepSeek sparse-attention (DSA) model"),
+        ({**LLAMA_CONFIG, "model_type": "jamba", "attn_layer_period": 8}, NO_SWA_POOL, "a Mamba/SSM/linear-attention hybrid"),
+        ({**LLAMA_CONFIG, "model_type": "nemotron_h", "hybrid_override_pattern": "M-M*"}, NO_SWA_POOL, "a Mamba/SSM"),
+        ({**LLAMA_CONFIG, "layer_types": ["linear_attention", "full_attention"]}, NO_SWA_POOL, "a hybrid-attention model"),
+        ({**LLAMA_CONFIG, "sliding_window": 128, "layer_types": ["sliding_attention", "chunked_attention"]},
+         NO_SWA_POOL, "a hybrid-attention model (layer_types has ['chunked_attention', 'sliding_attention'])"),
+        ({"architectures": ["WhisperForConditionalGeneration"], "model_type": "whisper"}, {}, "an encoder-decoder"),
+        ({"architectures": ["T5ForConditionalGeneration"], "is_encoder_decoder": True}, {}, "an encoder-decoder"),
+        ({"architectures": ["X"], "text_config": {**LLAMA_CONFIG, "cross_attention_layers": [3, 8]}}, {},
          "an encoder-decoder (cross-attention)"),
-        ({**LLAMA_CONFIG, "attention_chunk_size": 8192}, "a chunked local-attention model"),
+        ({**LLAMA_CONFIG, "attention_chunk_size": 8192}, NO_SWA_POOL, "a chunked local-attention model"),
     ],
-    ids=["llama", "qwen3-all-full", "mistral-pure-swa", "mla", "nested-mla", "dsa", "swa-hybrid", "qwen2-swa",
-         "gemma3-pattern", "jamba", "nemotron-h", "linear-layers", "whisper", "t5", "mllama", "llama4-chunked"],
+    ids=["llama", "qwen3-all-full", "mistral-pure-swa", "mla", "nested-mla", "swa-hybrid", "swa-hybrid-full-pool",
+         "swa-hybrid-window-covers-context", "swa-hybrid-window-short", "qwen2-swa", "qwen2-swa-short-context",
+         "gemma3-pattern", "gemma3-pattern-full-pool", "gemma3-nested", "gemma3-nested-full-pool", "dsa", "jamba",
+         "nemotron-h", "linear-layers", "chunked-layers", "whisper", "t5", "mllama", "llama4-chunked"],
 )  # fmt: skip
-def test_unsupported_model_reason(config, expected):
-    reason = model_check.unsupported_model_reason(config)
+def test_unsupported_model_reason(config, resolved, expected):
+    """The config.json rules; `resolved` holds what SGLang's resolution decides (the launcher
+    applies the sliding-window rule after it, with SGLang's ModelConfig: the tests above)."""
+    reason = model_check.unsupported_model_reason(config, **resolved)
     if expected is None:
         assert reason is None
-    else:
-        assert reason is not None and reason.startswith(expected), reason
+        return
+    assert reason is not None and reason.startswith(expected), reason
+    is_sliding = expected.startswith("a sliding-window model")
+    assert ("add --disable-hybrid-swa-memory" in reason) == is_sliding, reason  # the flag is named where it helps
+    # Only a sliding window waits for SGLang's resolution; everything else is refused from config.json.
+    assert (model_check.unservable_architecture_reason(config) is None) == is_sliding
+
+
+def test_unsupported_device_pool_reason():
+    """The scheduler's check of the pool SGLang built: its plain per-head and MLA pools are
+    tiered; its hybrid SWA and linear-attention pools are refused, naming why."""
+    from sglang.srt.mem_cache.memory_pool import (HybridLinearKVPool, MHATokenToKVPool, MLATokenToKVPool,
+                                                  PageMajorMHATokenToKVPool)
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    def pool(cls: type) -> object:
+        return object.__new__(cls)  # the class is what is checked; no buffers allocated
+
+    for served in (MHATokenToKVPool, PageMajorMHATokenToKVPool, MLATokenToKVPool):
+        assert model_check.unsupported_device_pool_reason(pool(served)) is None, served
+    reason = model_check.unsupported_device_pool_reason(pool(SWAKVPool))
+    assert reason.startswith("SGLang built a hybrid sliding-window KV pool (SWAKVPool") and \
+        "start the server with --disable-hybrid-swa-memory" in reason, reason
+    assert "linear-attention hybrid KV pool (HybridLinearKVPool)" in model_check.unsupported_device_pool_reason(
+        pool(HybridLinearKVPool))
+    assert "SGLang built a object KV pool" in model_check.unsupported_device_pool_reason(object())
 
 
 # ------------------------------------------------------------- hook self-check
