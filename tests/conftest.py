@@ -38,6 +38,27 @@ def venv_python() -> str:
     return _venv_python()
 
 
+@pytest.fixture(autouse=True)
+def _launcher_config_env_restored():
+    """Every test leaves ``HIRADIX_CONFIG`` as it found it.
+
+    The launcher's hook (``flags.after_from_cli_args``) hands the configuration to the scheduler
+    processes through that variable, so a test that runs it in-process sets it in the test
+    process; ``monkeypatch.delenv(..., raising=False)`` of an absent variable records nothing to
+    undo, and the value outlived such tests. A zygote started after that imported SGLang with it
+    and installed hiradix's scheduler hooks in every stock server it forked (a stock server of
+    tests/e2e/test_e2e_swa_pool.py logged "hiradix: prompts up to 0 tokens are admitted" and was
+    killed, only when an in-process refusal test ran before it)."""
+    from hiradix.config import ENV_VAR
+
+    before = os.environ.get(ENV_VAR)
+    yield
+    if before is None:
+        os.environ.pop(ENV_VAR, None)
+    else:
+        os.environ[ENV_VAR] = before
+
+
 @pytest.fixture(scope="session")
 def cpu_flags() -> list[str]:
     """`CPU_SERVER_FLAGS` as a fresh list."""

@@ -46,3 +46,15 @@ def test_a_started_server_gets_only_the_mooncake_variables_passed_to_it(tmp_path
         server.stop()
     assert line == 'MC env: {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}', line
     assert os.environ["MC_TCP_STATUS_TIMEOUT_SEC"] == "2"  # the test process's own setting untouched
+
+
+def test_launch_env_never_passes_on_the_launchers_config_channel(monkeypatch):
+    """A HIRADIX_CONFIG left in the test process (by a test that ran the launcher's hook in-process)
+    must not reach a server or a zygote: it would install hiradix's scheduler hooks in a stock one."""
+    from hiradix.config import ENV_VAR
+    from hiradix.testing.server import LAUNCHER_CONFIG_ENV
+
+    assert LAUNCHER_CONFIG_ENV == ENV_VAR
+    monkeypatch.setenv(ENV_VAR, '{"policy": "lru"}')
+    assert ENV_VAR not in launch_env()
+    assert launch_env({ENV_VAR: "given"})[ENV_VAR] == "given"  # passed on purpose: kept

@@ -96,19 +96,26 @@ def cpu_args(max_total_tokens: int) -> list[str]:
 # `MC_TCP_PROGRESS_TIMEOUT_SEC`, `MC_RPC_TIMEOUT_MS`, ...), read by every Mooncake client in a
 # process at every transfer.
 MOONCAKE_ENV_PREFIX = "MC_"
+# hiradix's launcher -> scheduler channel (hiradix.config.ENV_VAR): set by a launcher for its own
+# schedulers, never inherited by a server (or a zygote) the helpers start.
+LAUNCHER_CONFIG_ENV = "HIRADIX_CONFIG"
 
 
 def launch_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment a process started by the testing helpers gets: this process's
     environment without Mooncake client variables (``MC_*``), then ``env`` on top.
 
+    ``HIRADIX_CONFIG`` is left out too: a launcher sets it for its own schedulers, and a test that
+    ran the launcher's hook in-process leaves it in this process, where a server (or a zygote,
+    which installs hiradix's scheduler hooks at import when it is set) must not inherit it.
     A Mooncake Store client opened in the test process (``hiradix.tiers.store.mooncake``) sets
     its ``MC_*`` settings process-wide, and a server started after it would inherit them: a CI
     run's PD pair got the reader's 2-second TCP transfer deadlines in SGLang's own KV transfer
     engine and failed a chat when one transfer stalled for 2 s on the loaded machine. A
     server's Mooncake settings come from its own flags and ``env`` only.
     """
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith(MOONCAKE_ENV_PREFIX)}
+    inherited = {k: v for k, v in os.environ.items()
+                 if not k.startswith(MOONCAKE_ENV_PREFIX) and k != LAUNCHER_CONFIG_ENV}
     return {**inherited, **(env or {})}
 
 
