@@ -12,6 +12,7 @@ so `/v1/chat/completions` works. The same preset and seed give the same bytes.
     python scripts/make_model.py --preset small --out models/small  # benchmarks: 8 layers, hidden 1024, GQA
     python scripts/make_model.py --preset tiny-deepseek-v2           # MLA + MoE (also tiny-deepseek-v3, tiny-kimi-k2)
     python scripts/make_model.py --preset tiny-gemma3                # Gemma 3: sliding-window layers + a global one
+    python scripts/make_model.py --preset tiny-mellum-swa            # Mellum: SGLang's hybrid SWA pool (layer_types)
     python scripts/make_model.py --preset trained                    # 4 layers, hidden 256, GQA, TRAINED (~10 min)
 
 The `trained` preset is the one model whose predictions mean something: it is trained here on
@@ -19,7 +20,8 @@ the CPU on ShareGPT chats (scripts/train_small_llama.py: data, loop, budget in t
 stamp records the held-out perplexity. It shares the tokenizer of every other preset.
 
 The DeepSeek-architecture presets (MLA attention, MoE) are described in scripts/deepseek_arch.py,
-the Gemma 3 one (sliding-window attention) in scripts/gemma_arch.py.
+the Gemma 3 one (sliding-window attention) in scripts/gemma_arch.py, the Mellum one (SGLang's hybrid SWA
+pool) in scripts/mellum_arch.py.
 
 Re-running with the same preset, seed and script version finds `hiradix_model.json`
 in the output directory and exits at once.
@@ -43,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # bench.common.conversations (training data)
 from deepseek_arch import MLA_PRESETS, MLAPreset, mla_model_config, mla_weight_shapes  # noqa: E402
 from gemma_arch import GEMMA_PRESETS, GemmaPreset, gemma_model_config, gemma_weight_shapes  # noqa: E402
+from mellum_arch import MELLUM_PRESETS, MellumPreset, mellum_model_config, mellum_weight_shapes  # noqa: E402
 from training_plan import TRAINING_VERSION, TrainingPlan  # noqa: E402
 
 # Bump when anything that changes the output bytes changes.
@@ -88,6 +91,7 @@ PRESETS = {
                       num_attention_heads=4, num_key_value_heads=2),
     **MLA_PRESETS,
     **GEMMA_PRESETS,
+    **MELLUM_PRESETS,
 }
 # Presets whose weights are trained (scripts/train_small_llama.py), with their plan. Measured here
 # (1 thread, shared 2-core machine): 2,200-2,900 training tokens/s; 1.6M tokens took 571 s (the
@@ -251,11 +255,13 @@ def tokenizer_config(special_ids: dict[str, int]) -> dict:
 # Model
 # ---------------------------------------------------------------------------------------------
 
-def model_config(p: Preset | MLAPreset | GemmaPreset, special_ids: dict[str, int]) -> dict:
+def model_config(p: Preset | MLAPreset | GemmaPreset | MellumPreset, special_ids: dict[str, int]) -> dict:
     if isinstance(p, MLAPreset):
         return mla_model_config(p, special_ids, VOCAB_SIZE, INIT_STD, BOS, EOS, PAD)
     if isinstance(p, GemmaPreset):
         return gemma_model_config(p, special_ids, VOCAB_SIZE, INIT_STD, BOS, EOS, PAD)
+    if isinstance(p, MellumPreset):
+        return mellum_model_config(p, special_ids, VOCAB_SIZE, INIT_STD, BOS, EOS, PAD)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -284,12 +290,14 @@ def model_config(p: Preset | MLAPreset | GemmaPreset, special_ids: dict[str, int
     }
 
 
-def weight_shapes(p: Preset | MLAPreset | GemmaPreset) -> dict[str, tuple[int, ...]]:
+def weight_shapes(p: Preset | MLAPreset | GemmaPreset | MellumPreset) -> dict[str, tuple[int, ...]]:
     """Every tensor of LlamaForCausalLM (or of the DeepSeek or Gemma model of a preset), by its checkpoint name."""
     if isinstance(p, MLAPreset):
         return mla_weight_shapes(p, VOCAB_SIZE)
     if isinstance(p, GemmaPreset):
         return gemma_weight_shapes(p, VOCAB_SIZE)
+    if isinstance(p, MellumPreset):
+        return mellum_weight_shapes(p, VOCAB_SIZE)
     h, hd = p.hidden_size, p.hidden_size // p.num_attention_heads
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB_SIZE, h)}
     for i in range(p.num_hidden_layers):

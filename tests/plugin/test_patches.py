@@ -317,6 +317,7 @@ def test_apply_is_idempotent():
     import p09_cpu_fork_start_method as p09
     import p10_dp_controller_idle_wait as p10
     import p11_hicache_file_prefetch_cpu as p11
+    import p12_torch_native_swa_pool as p12
 
     first = subprocess.run([PYTHON, str(PATCHES / "apply.py")], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
@@ -333,8 +334,8 @@ def test_apply_is_idempotent():
     second = subprocess.run([PYTHON, str(PATCHES / "apply.py")], capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     lines = second.stdout.strip().splitlines()
-    assert len(lines) == 11, second.stdout
-    for module, line in zip((p01, p02, p03, p04, p05, p06, p07, p08, p09, p10, p11), lines):
+    assert len(lines) == 12, second.stdout
+    for module, line in zip((p01, p02, p03, p04, p05, p06, p07, p08, p09, p10, p11, p12), lines):
         assert line.startswith(f"[patches] {module.NAME}: "), line
         assert ": already applied (" in line or ": skipped (" in line, line
     assert {f: _sha(f) for f in files} == before
@@ -735,6 +736,157 @@ def test_torch_native_mla_dispatch_takes_the_absorbed_path():
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-2:] == ["handle_attention_torch_native", "True"], out.stdout
 
+
+
+def _swa_case(seq_lens, kv_heads=2, dim=32, seed=0):
+    """K and V of requests of `seq_lens` tokens in a full pool (slot 0 unused, as SGLang's), and
+    their `req_to_token` rows."""
+    gen = torch.Generator().manual_seed(seed)
+    full_size = sum(seq_lens) + 8
+    k_full, v_full = torch.randn(full_size, kv_heads, dim, generator=gen), torch.randn(full_size, kv_heads, dim, generator=gen)
+    req_to_token = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int64)
+    perm, at = torch.randperm(full_size - 1, generator=gen) + 1, 0
+    for r, n in enumerate(seq_lens):
+        req_to_token[r, :n] = perm[at : at + n]
+        at += n
+    return k_full, v_full, req_to_token, full_size
+
+
+def _swa_pool(k_full, v_full, req_to_token, live, full_size, seed=1):
+    """An SWA pool that holds, at other slots, only the tokens of positions `live[r] = (lo, n)` of
+    each request r, and the full -> SWA mapping (0 for the rest, as SGLang's allocator maps a freed
+    token). Every other SWA slot, dummy slot 0 included, holds NaN: a read of one shows."""
+    gen = torch.Generator().manual_seed(seed)
+    live_locs = torch.cat([req_to_token[r, lo:n] for r, (lo, n) in enumerate(live)])
+    swa_size = len(live_locs) + 5
+    mapping = torch.zeros(full_size, dtype=torch.int64)
+    mapping[live_locs] = torch.randperm(swa_size - 1, generator=gen)[: len(live_locs)] + 1
+    k_swa = torch.full((swa_size, *k_full.shape[1:]), float("nan"))
+    v_swa = torch.full((swa_size, *v_full.shape[1:]), float("nan"))
+    k_swa[mapping[live_locs]], v_swa[mapping[live_locs]] = k_full[live_locs], v_full[live_locs]
+    return k_swa, v_swa, mapping
+
+
+def _windowed_reference(query, k, v, positions, window, heads):
+    """Attention of queries at `positions` over keys 0..max(positions), each seeing keys
+    `pos - window .. pos` (stock torch-native's `_make_sliding_window_mask`)."""
+    kv_len = k.shape[0]
+    q_pos, k_pos = torch.tensor(positions)[:, None], torch.arange(kv_len)[None, :]
+    mask = (k_pos <= q_pos) & (k_pos >= q_pos - window)
+    rep = heads // k.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.movedim(0, 1), k.movedim(0, 1).repeat_interleave(rep, 0), v.movedim(0, 1).repeat_interleave(rep, 0),
+        attn_mask=mask, scale=query.shape[-1] ** -0.5)
+    return out.movedim(0, 1)
+
+
+@pytest.mark.parametrize("prefix_lens,extend_lens,window", [([0, 48, 16], [20, 9, 33], 7), ([96], [1], 31), ([5], [7], 31)])
+def test_sliding_window_extend_reads_its_window_at_swa_slots(prefix_lens, extend_lens, window):
+    """p12: a sliding layer's extend reads the keys its new queries see, translated to the SWA pool
+    (never a freed slot: those hold NaN here), and equals window attention over the full pool; the
+    same path without a translator (--disable-hybrid-swa-memory) gives the same numbers."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    heads, dim = 8, 32
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    k_full, v_full, req_to_token, full_size = _swa_case(seq_lens, dim=dim)
+    k_swa, v_swa, mapping = _swa_pool(k_full, v_full, req_to_token,
+                                      [(max(0, p - window), n) for p, n in zip(prefix_lens, seq_lens)], full_size)
+    query = torch.randn(sum(extend_lens), heads, dim, generator=torch.Generator().manual_seed(2))
+    backend = TorchNativeAttnBackend.__new__(TorchNativeAttnBackend)
+    outs = {}
+    for name, (k_cache, v_cache, translate) in {"swa": (k_swa, v_swa, lambda locs: mapping[locs]),
+                                                "full": (k_full, v_full, None)}.items():
+        out = torch.empty_like(query)
+        backend._run_sdpa_forward_extend(
+            query, out, k_cache, v_cache, req_to_token, torch.arange(len(seq_lens)), torch.tensor(seq_lens),
+            torch.tensor(prefix_lens), torch.tensor(extend_lens), scaling=dim ** -0.5, enable_gqa=True, causal=True,
+            sliding_window_size=window, kv_loc_translate=translate)
+        outs[name] = out
+    assert torch.equal(outs["swa"], outs["full"])
+    start = 0
+    for r, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
+        idx = req_to_token[r, : p + e]
+        ref = _windowed_reference(query[start : start + e], k_full[idx], v_full[idx], list(range(p, p + e)), window, heads)
+        torch.testing.assert_close(outs["swa"][start : start + e], ref, rtol=1e-5, atol=1e-5)
+        start += e
+
+
+def test_sliding_window_decode_reads_its_window_at_swa_slots():
+    """p12: a sliding layer's decode reads its last `window + 1` keys at their SWA slots."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    heads, dim, window = 8, 32, 7
+    seq_lens = [1, 8, 9, 40, 100]
+    k_full, v_full, req_to_token, full_size = _swa_case(seq_lens, dim=dim)
+    k_swa, v_swa, mapping = _swa_pool(k_full, v_full, req_to_token,
+                                      [(max(0, n - 1 - window), n) for n in seq_lens], full_size)
+    query = torch.randn(len(seq_lens), heads, dim, generator=torch.Generator().manual_seed(3))
+    backend = TorchNativeAttnBackend.__new__(TorchNativeAttnBackend)
+    outs = {}
+    for name, (k_cache, v_cache, translate) in {"swa": (k_swa, v_swa, lambda locs: mapping[locs]),
+                                                "full": (k_full, v_full, None)}.items():
+        out = torch.empty_like(query)
+        backend._run_sdpa_forward_decode(
+            query, out, k_cache, v_cache, req_to_token, torch.arange(len(seq_lens)), torch.tensor(seq_lens),
+            scaling=dim ** -0.5, enable_gqa=True, causal=False, sliding_window_size=window, kv_loc_translate=translate)
+        outs[name] = out
+    assert torch.equal(outs["swa"], outs["full"])
+    for r, n in enumerate(seq_lens):
+        idx = req_to_token[r, :n]
+        ref = _windowed_reference(query[r : r + 1], k_full[idx], v_full[idx], [n - 1], window, heads)
+        torch.testing.assert_close(outs["swa"][r : r + 1], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_swa_loc_translate_only_for_the_swa_pools_sliding_layers():
+    """p12: the backend translates for a layer whose KV the SWA pool holds, for no other."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    pool = SimpleNamespace(layers_mapping={0: (0, True), 1: (0, False), 2: (1, True)},
+                           translate_loc_from_full_to_swa=lambda locs: locs + 100)
+    backend = TorchNativeAttnBackend.__new__(TorchNativeAttnBackend)
+    backend.token_to_kv_pool, backend.use_sliding_window_kv_pool = pool, True
+
+    def layer(i, cross=False):
+        return SimpleNamespace(layer_id=i, is_cross_attention=cross)
+
+    assert [backend._swa_loc_translate(layer(i)) is not None for i in range(3)] == [True, False, True]
+    assert backend._swa_loc_translate(layer(0))(torch.tensor([1])).item() == 101
+    assert backend._swa_loc_translate(layer(0, cross=True)) is None
+    backend.use_sliding_window_kv_pool = False  # a plain pool (--disable-hybrid-swa-memory)
+    assert all(backend._swa_loc_translate(layer(i)) is None for i in range(3))
+
+
+def test_swa_pool_patch_on_a_copy_applies_once_and_fails_loudly(tmp_path, monkeypatch):
+    """p12 on a copy of the installed file with its edits taken out: applied, then found; without
+    an anchor nothing is written."""
+    import p12_torch_native_swa_pool as p12
+
+    installed = _patchlib.installed_file("sglang", "sglang/srt/layers/attention/torch_native_backend.py").read_text()
+    unpatched = installed
+    for edit in reversed(p12.EDITS):
+        assert unpatched.count(edit.replacement) == 1, edit.anchor
+        unpatched = unpatched.replace(edit.replacement, edit.anchor)
+    assert p12.MARKER not in unpatched
+    copy = tmp_path / "torch_native_backend.py"
+    copy.write_text(unpatched)
+    monkeypatch.setattr(p12, "installed_file", lambda dist, rel: copy)
+    assert p12.apply()[0] == _patchlib.APPLIED
+    patched = copy.read_text()
+    assert patched == installed
+    compile(patched, "torch_native_backend.py", "exec")
+    assert p12.apply()[0] == _patchlib.ALREADY and copy.read_text() == patched
+    broken = unpatched.replace("is_cross_attn=layer.is_cross_attention,\n            sliding_window_size=(\n"
+                               "                layer.sliding_window_size\n                if causal",
+                               "is_cross_attn=layer.is_cross_attention,\n            sliding_window_size=(\n"
+                               "                layer.window\n                if causal")
+    assert broken != unpatched
+    copy.write_text(broken)
+    with pytest.raises(_patchlib.PatchError, match="anchor missing"):
+        p12.apply()
+    assert copy.read_text() == broken
 
 DP_ATTENTION_PROBE = """
 import torch
