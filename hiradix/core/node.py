@@ -76,6 +76,9 @@ class TreeNode:
     # The eviction policy's own record of this node (hiradix.core.policy); a split copies it to
     # the new upper node.
     policy_stamp: Any = None
+    # hiradix.core.kv_events (only with KV events on): the key of each page, cached; a split
+    # shares them out like the tiers' ids.
+    event_keys: Optional[list] = None
 
     @property
     def num_tokens(self) -> int:

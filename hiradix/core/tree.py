@@ -31,12 +31,15 @@ import heapq
 import itertools
 import time
 from array import array
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 from hiradix.core.node import NUM_TIERS, IntegrityError, Tier, TreeMatch, TreeNode
 from hiradix.core.page_index import PageContentIndex
 from hiradix.core.policy import EvictionPolicy, LRUPolicy
 from hiradix.core.victim_heap import VictimHeap
+
+if TYPE_CHECKING:
+    from hiradix.core.kv_events import TierEvents
 
 __all__ = ["IntegrityError", "Tier", "TieredRadixTree", "TreeMatch", "TreeNode"]
 
@@ -66,6 +69,7 @@ class TieredRadixTree:
         self.clock = clock
         self.on_split: Optional[Callable[[TreeNode, TreeNode], None]] = None  # (lower, new upper)
         self.page_index: Optional[PageContentIndex] = None  # pages by content (context overflow only)
+        self.events: Optional[TierEvents] = None  # tier changes for SGLang's KV events (None: off)
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -83,6 +87,8 @@ class TieredRadixTree:
         self._hbm_heap: Optional[VictimHeap] = None  # HBM candidates kept in order (policies whose keys grow)
         if self.page_index is not None:
             self.page_index = PageContentIndex(self.page_size)
+        if self.events is not None:
+            self.events.cleared()
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         """Every non-root node, parents before children."""
@@ -264,6 +270,8 @@ class TieredRadixTree:
             node.store_keys = list(ids)
         self.tier_tokens[tier] += node.num_tokens
         self._refresh_around(node)
+        if self.events is not None:
+            self.events.stored(node, tier)
 
     def detach(self, node: TreeNode, tier: Tier) -> Any:
         """Forget ``node``'s copy in ``tier``; returns its ids for the caller to free.
@@ -272,6 +280,8 @@ class TieredRadixTree:
         """
         ids = node.ids_in(tier)
         assert ids is not None, (node, tier)
+        if self.events is not None:
+            self.events.removed(node, tier)  # while it is linked: its keys follow its parent's
         if tier == Tier.HBM:
             assert node.lock_ref == 0, node
             node.hbm_slots = None
@@ -365,6 +375,8 @@ class TieredRadixTree:
             upper.nvme_slots, node.nvme_slots = node.nvme_slots[:p], node.nvme_slots[p:]
         if node.store_keys is not None:
             upper.store_keys, node.store_keys = node.store_keys[:p], node.store_keys[p:]
+        if node.event_keys is not None:
+            upper.event_keys, node.event_keys = node.event_keys[:p], node.event_keys[p:]
         parent_key = self._key_in_parent(node)
         node.tokens = node.tokens[n:]
         node.parent = upper

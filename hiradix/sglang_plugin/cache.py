@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from hiradix.core.lookahead import QueuedKey, QueueView
 from hiradix.dataplane.device_copy import copy_token_rows
 from hiradix.sglang_plugin.device_pool import SGLangDevicePool
+from hiradix.sglang_plugin.kv_events import attach_events
 from hiradix.sglang_plugin.storage_hits import note_storage_hits
 from hiradix.core.policy import make_policy
 from hiradix.core.prefix_cache import TieredPrefixCache
@@ -99,6 +100,8 @@ class TieredRadixCache(BasePrefixCache):
         dev = getattr(self.token_to_kv_pool_allocator, "device", "cpu")
         self.device = torch.device(dev) if isinstance(dev, (str, torch.device)) else torch.device("cpu")
         self.tree = TieredRadixTree(self.page_size, make_policy(config.policy))
+        # --kv-events-config: SGLang's KV events for every tier (before the NVMe index is restored)
+        self.kv_events_out = attach_events(self.tree, params)
         self.tiers, self.loader = None, None
         if kv_pool is not None:
             from hiradix.runtime.assembly import build_tiers
@@ -262,6 +265,13 @@ class TieredRadixCache(BasePrefixCache):
                                      store=self.tiers.store,
                                      overflow=self.overflow.counts if self.overflow is not None else None,
                                      partial_tokens=self.core.partial.reused_tokens if self.core.partial is not None else 0)
+
+    def take_events(self) -> list:
+        """SGLang's KV events of every tier since the last call (its publisher calls this after
+        each batch and when idle; :mod:`hiradix.sglang_plugin.kv_events`); [] when off."""
+        if self.kv_events_out is None:
+            return []
+        return self.kv_events_out.convert(self.tree.events.take())
 
     def wait_for_reads(self, timeout_s: float, wake: list) -> bool:
         """Block (bounded) on the I/O results when admission held a request for its reads."""
