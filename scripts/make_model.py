@@ -13,6 +13,7 @@ so `/v1/chat/completions` works. The same preset and seed give the same bytes.
     python scripts/make_model.py --preset tiny-deepseek-v2           # MLA + MoE (also tiny-deepseek-v3, tiny-kimi-k2)
     python scripts/make_model.py --preset tiny-gemma3                # Gemma 3: sliding-window layers + a global one
     python scripts/make_model.py --preset tiny-mellum-swa            # Mellum: SGLang's hybrid SWA pool (layer_types)
+    python scripts/make_model.py --preset tiny-gpt-oss               # gpt-oss: attention sinks, sliding + full, MoE
     python scripts/make_model.py --preset trained                    # 4 layers, hidden 256, GQA, TRAINED (~10 min)
 
 The `trained` preset is the one model whose predictions mean something: it is trained here on
@@ -21,7 +22,7 @@ stamp records the held-out perplexity. It shares the tokenizer of every other pr
 
 The DeepSeek-architecture presets (MLA attention, MoE) are described in scripts/deepseek_arch.py,
 the Gemma 3 one (sliding-window attention) in scripts/gemma_arch.py, the Mellum one (SGLang's hybrid SWA
-pool) in scripts/mellum_arch.py.
+pool) in scripts/mellum_arch.py, the gpt-oss one (attention sinks) in scripts/gptoss_arch.py.
 
 Re-running with the same preset, seed and script version finds `hiradix_model.json`
 in the output directory and exits at once.
@@ -45,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # bench.common.conversations (training data)
 from deepseek_arch import MLA_PRESETS, MLAPreset, mla_model_config, mla_weight_shapes  # noqa: E402
 from gemma_arch import GEMMA_PRESETS, GemmaPreset, gemma_model_config, gemma_weight_shapes  # noqa: E402
+from gptoss_arch import GPTOSS_PRESETS, GptOssPreset, gptoss_model_config, gptoss_sinks, gptoss_weight_shapes  # noqa: E402
 from mellum_arch import MELLUM_PRESETS, MellumPreset, mellum_model_config, mellum_weight_shapes  # noqa: E402
 from training_plan import TRAINING_VERSION, TrainingPlan  # noqa: E402
 
@@ -92,6 +94,7 @@ PRESETS = {
     **MLA_PRESETS,
     **GEMMA_PRESETS,
     **MELLUM_PRESETS,
+    **GPTOSS_PRESETS,
 }
 # Presets whose weights are trained (scripts/train_small_llama.py), with their plan. Measured here
 # (1 thread, shared 2-core machine): 2,200-2,900 training tokens/s; 1.6M tokens took 571 s (the
@@ -255,13 +258,15 @@ def tokenizer_config(special_ids: dict[str, int]) -> dict:
 # Model
 # ---------------------------------------------------------------------------------------------
 
-def model_config(p: Preset | MLAPreset | GemmaPreset | MellumPreset, special_ids: dict[str, int]) -> dict:
+def model_config(p: Preset | MLAPreset | GemmaPreset | MellumPreset | GptOssPreset, special_ids: dict[str, int]) -> dict:
     if isinstance(p, MLAPreset):
         return mla_model_config(p, special_ids, VOCAB_SIZE, INIT_STD, BOS, EOS, PAD)
     if isinstance(p, GemmaPreset):
         return gemma_model_config(p, special_ids, VOCAB_SIZE, INIT_STD, BOS, EOS, PAD)
     if isinstance(p, MellumPreset):
         return mellum_model_config(p, special_ids, VOCAB_SIZE, INIT_STD, BOS, EOS, PAD)
+    if isinstance(p, GptOssPreset):
+        return gptoss_model_config(p, special_ids, VOCAB_SIZE, INIT_STD, BOS, EOS, PAD)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -290,14 +295,16 @@ def model_config(p: Preset | MLAPreset | GemmaPreset | MellumPreset, special_ids
     }
 
 
-def weight_shapes(p: Preset | MLAPreset | GemmaPreset | MellumPreset) -> dict[str, tuple[int, ...]]:
-    """Every tensor of LlamaForCausalLM (or of the DeepSeek or Gemma model of a preset), by its checkpoint name."""
+def weight_shapes(p: Preset | MLAPreset | GemmaPreset | MellumPreset | GptOssPreset) -> dict[str, tuple[int, ...]]:
+    """Every tensor of LlamaForCausalLM (or of the DeepSeek, Gemma, Mellum or gpt-oss model of a preset), by its checkpoint name."""
     if isinstance(p, MLAPreset):
         return mla_weight_shapes(p, VOCAB_SIZE)
     if isinstance(p, GemmaPreset):
         return gemma_weight_shapes(p, VOCAB_SIZE)
     if isinstance(p, MellumPreset):
         return mellum_weight_shapes(p, VOCAB_SIZE)
+    if isinstance(p, GptOssPreset):
+        return gptoss_weight_shapes(p, VOCAB_SIZE)
     h, hd = p.hidden_size, p.hidden_size // p.num_attention_heads
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB_SIZE, h)}
     for i in range(p.num_hidden_layers):
@@ -316,9 +323,10 @@ def weight_shapes(p: Preset | MLAPreset | GemmaPreset | MellumPreset) -> dict[st
     return shapes
 
 
-def build_weights(p: Preset | MLAPreset | GemmaPreset, seed: int):
+def build_weights(p: Preset | MLAPreset | GemmaPreset | MellumPreset | GptOssPreset, seed: int):
     """Random float32 weights: one generator, tensors drawn in name order; norms are the identity
-    (ones; zeros for Gemma, whose RMSNorm scales by 1 + weight)."""
+    (ones; zeros for Gemma, whose RMSNorm scales by 1 + weight); gpt-oss's attention sinks their own
+    (scripts/gptoss_arch.py)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -327,6 +335,8 @@ def build_weights(p: Preset | MLAPreset | GemmaPreset, seed: int):
     for name, shape in sorted(weight_shapes(p).items()):
         if name.endswith("norm.weight"):
             out[name] = norm_init(shape, dtype=torch.float32)
+        elif name.endswith("self_attn.sinks"):
+            out[name] = gptoss_sinks(shape, gen)
         else:
             out[name] = torch.empty(shape, dtype=torch.float32).normal_(0.0, INIT_STD, generator=gen)
     return out

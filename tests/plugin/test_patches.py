@@ -318,6 +318,7 @@ def test_apply_is_idempotent():
     import p10_dp_controller_idle_wait as p10
     import p11_hicache_file_prefetch_cpu as p11
     import p12_torch_native_swa_pool as p12
+    import p13_torch_native_sinks as p13
 
     first = subprocess.run([PYTHON, str(PATCHES / "apply.py")], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
@@ -328,14 +329,15 @@ def test_apply_is_idempotent():
              sp / "sglang/srt/models/deepseek_common/attention_backend_handler.py",
              sp / "sglang/srt/disaggregation/prefill.py", sp / "sglang/srt/layers/rotary_embedding/base.py",
              sp / "sglang/srt/entrypoints/engine.py", sp / "sglang/srt/managers/data_parallel_controller.py",
+             sp / "sglang/srt/arg_groups/model_hook.py",
              *sorted((sp / "sgl_kernel").glob("*.py"))]
     files = [f for f in files if f.exists()]
     before = {f: _sha(f) for f in files}
     second = subprocess.run([PYTHON, str(PATCHES / "apply.py")], capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     lines = second.stdout.strip().splitlines()
-    assert len(lines) == 12, second.stdout
-    for module, line in zip((p01, p02, p03, p04, p05, p06, p07, p08, p09, p10, p11, p12), lines):
+    assert len(lines) == 13, second.stdout
+    for module, line in zip((p01, p02, p03, p04, p05, p06, p07, p08, p09, p10, p11, p12, p13), lines):
         assert line.startswith(f"[patches] {module.NAME}: "), line
         assert ": already applied (" in line or ": skipped (" in line, line
     assert {f: _sha(f) for f in files} == before
@@ -909,3 +911,222 @@ def test_dp_attention_cpu_fill_value_and_idle_rank_rotary():
     out = probe(DP_ATTENTION_PROBE, {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "1 (0, 256) (0, 64) True True", out.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# p13: per-head attention sinks (gpt-oss) in the torch-native backend
+# ---------------------------------------------------------------------------------------------
+
+def _sinks_reference(query, k, v, positions, window, sinks):
+    """gpt-oss's attention as HF transformers' `eager_attention_forward` computes it, in float64:
+    queries at `positions` over keys 0..len(k)-1, each seeing keys `pos - window .. pos` (every
+    earlier key without a window); each head's scores get the head's sink logit appended, the
+    softmax runs over both, and the sink's column is dropped."""
+    heads, rep = query.shape[1], query.shape[1] // k.shape[1]
+    q = query.double().movedim(0, 1)
+    keys = k.double().movedim(0, 1).repeat_interleave(rep, 0)
+    values = v.double().movedim(0, 1).repeat_interleave(rep, 0)
+    scores = q @ keys.transpose(1, 2) * query.shape[-1] ** -0.5
+    q_pos, k_pos = torch.tensor(positions)[:, None], torch.arange(k.shape[0])[None, :]
+    visible = (k_pos <= q_pos) & ((k_pos >= q_pos - window) if window is not None else True)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    logits = torch.cat([scores, sinks.double().view(heads, 1, 1).expand(heads, len(positions), 1)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return (probs @ values).movedim(0, 1).float()
+
+
+def _sinks(heads: int, seed: int = 4) -> torch.Tensor:
+    """Per-head sink logits as gpt-oss's SGLang model holds them (bfloat16), large enough to matter."""
+    return (torch.randn(heads, generator=torch.Generator().manual_seed(seed)) * 2).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("prefix_lens,extend_lens,window", [
+    ([0, 0], [20, 33], None),  # stock's full causal attention (no prefix)
+    ([0, 48, 16], [20, 9, 33], None),  # p04: new queries only after a cached prefix
+    ([0, 48, 16], [20, 9, 33], 7),  # p12: a sliding layer reads its window
+    ([96], [1], 31),
+    ([5], [7], 31),
+])  # fmt: skip
+def test_extend_attention_with_sinks_matches_the_reference(prefix_lens, extend_lens, window):
+    """p13: every extend path applies the sinks as HF transformers' gpt-oss does; with a window, the
+    SWA pool's translated reads (p12) give the full pool's numbers; the sinks change the output."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    heads, dim = 8, 32
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    k_full, v_full, req_to_token, full_size = _swa_case(seq_lens, dim=dim)
+    query = torch.randn(sum(extend_lens), heads, dim, generator=torch.Generator().manual_seed(2))
+    sinks = _sinks(heads)
+    backend = TorchNativeAttnBackend.__new__(TorchNativeAttnBackend)
+    pools = {"full": (k_full, v_full, None)}
+    if window is not None:
+        k_swa, v_swa, mapping = _swa_pool(k_full, v_full, req_to_token,
+                                          [(max(0, p - window), n) for p, n in zip(prefix_lens, seq_lens)], full_size)
+        pools["swa"] = (k_swa, v_swa, lambda locs: mapping[locs])
+    outs = {}
+    for name, (k_cache, v_cache, translate) in pools.items():
+        for with_sinks in (True, False):
+            out = torch.empty_like(query)
+            backend._run_sdpa_forward_extend(
+                query, out, k_cache, v_cache, req_to_token, torch.arange(len(seq_lens)), torch.tensor(seq_lens),
+                torch.tensor(prefix_lens), torch.tensor(extend_lens), scaling=dim ** -0.5, enable_gqa=True,
+                causal=True, sliding_window_size=window, kv_loc_translate=translate,
+                sinks=sinks if with_sinks else None)
+            outs[name, with_sinks] = out
+    if window is not None:
+        assert torch.equal(outs["swa", True], outs["full", True])
+    start = 0
+    for r, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
+        idx = req_to_token[r, : p + e]
+        ref = _sinks_reference(query[start : start + e], k_full[idx], v_full[idx], list(range(p, p + e)), window, sinks)
+        torch.testing.assert_close(outs["full", True][start : start + e], ref, rtol=1e-5, atol=1e-5)
+        start += e
+    assert not torch.allclose(outs["full", True], outs["full", False], atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_decode_attention_with_sinks_matches_the_reference(window):
+    """p13: decode applies the sinks over all keys, or over its window (p12's reads, SWA pool or not)."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    heads, dim = 8, 32
+    seq_lens = [1, 8, 9, 40, 100]
+    k_full, v_full, req_to_token, full_size = _swa_case(seq_lens, dim=dim)
+    query = torch.randn(len(seq_lens), heads, dim, generator=torch.Generator().manual_seed(3))
+    sinks = _sinks(heads, seed=5)
+    backend = TorchNativeAttnBackend.__new__(TorchNativeAttnBackend)
+    pools = {"full": (k_full, v_full, None)}
+    if window is not None:
+        k_swa, v_swa, mapping = _swa_pool(k_full, v_full, req_to_token,
+                                          [(max(0, n - 1 - window), n) for n in seq_lens], full_size)
+        pools["swa"] = (k_swa, v_swa, lambda locs: mapping[locs])
+    outs = {}
+    for name, (k_cache, v_cache, translate) in pools.items():
+        out = torch.empty_like(query)
+        backend._run_sdpa_forward_decode(
+            query, out, k_cache, v_cache, req_to_token, torch.arange(len(seq_lens)), torch.tensor(seq_lens),
+            scaling=dim ** -0.5, enable_gqa=True, causal=False, sliding_window_size=window,
+            kv_loc_translate=translate, sinks=sinks)
+        outs[name] = out
+    if window is not None:
+        assert torch.equal(outs["swa"], outs["full"])
+    for r, n in enumerate(seq_lens):
+        idx = req_to_token[r, :n]
+        ref = _sinks_reference(query[r : r + 1], k_full[idx], v_full[idx], [n - 1], window, sinks)
+        torch.testing.assert_close(outs["full"][r : r + 1], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_sinks_helper_keeps_sdpa_without_sinks_and_keeps_the_dtype():
+    """p13: no sinks, SDPA itself (nothing changes for other models); with sinks, a bfloat16 query
+    gets a bfloat16 output (computed in float32), and a very negative sink is no sink at all."""
+    from sglang.srt.layers.attention import torch_native_backend as tnb
+
+    assert tnb._sdpa_for(None) is tnb.scaled_dot_product_attention
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 4, 5, 16, generator=gen) for _ in range(3))
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    no_sink = tnb._sdpa_for(torch.full((4,), -1e4))(q, k, v, attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(no_sink, tnb.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25))
+    causal = tnb._sdpa_for(torch.full((4,), -1e4))(q, k, v, is_causal=True, scale=0.25)
+    torch.testing.assert_close(causal, no_sink)
+    out = tnb._sdpa_for(torch.zeros(4))(q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=mask)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+
+
+def test_forward_extend_and_decode_pass_the_layers_sinks():
+    """p13: `forward_extend` / `forward_decode` take gpt-oss's `sinks=` (stock: TypeError) and hand
+    them to the attention; without them, None."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    backend = TorchNativeAttnBackend.__new__(TorchNativeAttnBackend)
+    backend.use_sliding_window_kv_pool, backend.swa_out_cache_loc = False, None
+    backend.token_to_kv_pool = SimpleNamespace(get_key_buffer=lambda i: None, get_value_buffer=lambda i: None)
+    backend.req_to_token_pool = SimpleNamespace(req_to_token=None)
+    seen = []
+    backend._run_sdpa_forward_extend = lambda *a, **kw: seen.append(("extend", kw["sinks"]))
+    backend._run_sdpa_forward_decode = lambda *a, **kw: seen.append(("decode", kw["sinks"]))
+    layer = SimpleNamespace(qk_head_dim=16, v_head_dim=16, tp_q_head_num=4, tp_k_head_num=2, layer_id=0,
+                            is_cross_attention=False, attn_type=AttentionType.DECODER, scaling=0.25,
+                            sliding_window_size=31)  # fmt: skip
+    batch = SimpleNamespace(out_cache_loc=None, req_pool_indices=None, seq_lens=None, extend_prefix_lens=None,
+                            extend_seq_lens=None, encoder_lens=None)  # fmt: skip
+    sinks, q = torch.zeros(4), torch.zeros(3, 4 * 16)
+    backend.forward_extend(q, None, None, layer, batch, save_kv_cache=False, sinks=sinks)
+    backend.forward_decode(q, None, None, layer, batch, save_kv_cache=False, sinks=sinks)
+    backend.forward_extend(q, None, None, layer, batch, save_kv_cache=False)
+    assert seen == [("extend", sinks), ("decode", sinks), ("extend", None)]
+
+
+GPTOSS_RESOLUTION_PROBE = """
+import argparse, sys
+from sglang.srt.server_args import ServerArgs
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+args = ServerArgs.from_cli_args(parser.parse_args(["--model-path", sys.argv[1], "--device", "cpu",
+    "--attention-backend", "torch_native", "--max-total-tokens", "4096", "--dtype", "float32"]))
+args.resolve_once()
+print("resolved", args.attention_backend)
+"""
+
+
+def test_sglang_resolution_accepts_gpt_oss_on_torch_native(tmp_path):
+    """p13: SGLang's flag resolution accepts gpt-oss with --attention-backend torch_native (stock:
+    AssertionError 'GptOssForCausalLM requires one of [...] attention backend'); config.json only."""
+    config = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 256,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+              "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 1000,
+              "max_position_embeddings": 2048, "torch_dtype": "float32", "sliding_window": 32,
+              "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code = f"import sys; sys.argv = ['probe', {str(tmp_path)!r}]\n" + GPTOSS_RESOLUTION_PROBE
+    out = probe(code, {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "resolved torch_native", out.stdout
+
+
+def test_sinks_patch_on_copies_applies_once_and_fails_loudly(tmp_path, monkeypatch):
+    """p13 on copies of the two installed files with its edits taken out: applied (p12's text left
+    whole), then found; without an anchor, or without p12, nothing is written."""
+    import p12_torch_native_swa_pool as p12
+    import p13_torch_native_sinks as p13
+
+    copies, installed, unpatched = {}, {}, {}
+    for rel, edits in ((p13.BACKEND_REL, p13.BACKEND_EDITS), (p13.MODEL_HOOK_REL, p13.MODEL_HOOK_EDITS)):
+        installed[rel] = text = _patchlib.installed_file("sglang", rel).read_text()
+        for edit in reversed(edits):
+            assert text.count(edit.replacement) == 1, edit.anchor
+            text = text.replace(edit.replacement, edit.anchor)
+        assert p13.MARKER not in text
+        unpatched[rel] = text
+        copies[rel] = tmp_path / Path(rel).name
+        copies[rel].write_text(text)
+    assert all(installed[p13.BACKEND_REL].count(edit.replacement) == 1 for edit in p12.EDITS)
+    monkeypatch.setattr(p13, "installed_file", lambda dist, rel: copies[rel])
+    assert p13.apply()[0] == _patchlib.APPLIED
+    patched = {rel: copy.read_text() for rel, copy in copies.items()}
+    assert patched == installed
+    for rel, text in patched.items():
+        compile(text, rel, "exec")
+    assert p13.apply()[0] == _patchlib.ALREADY and {rel: c.read_text() for rel, c in copies.items()} == patched
+    # an anchor missing in the second file: neither file is written
+    backend, hook = copies[p13.BACKEND_REL], copies[p13.MODEL_HOOK_REL]
+    backend.write_text(unpatched[p13.BACKEND_REL])
+    hook.write_text(unpatched[p13.MODEL_HOOK_REL].replace('                "aiter",\n            ]\n',
+                                                          '                "aiter_v2",\n            ]\n'))
+    with pytest.raises(_patchlib.PatchError, match="anchor missing"):
+        p13.apply()
+    assert backend.read_text() == unpatched[p13.BACKEND_REL] and p13.MARKER not in hook.read_text()
+    # p12 not applied: refused before anything is written
+    hook.write_text(unpatched[p13.MODEL_HOOK_REL])
+    without_p12 = unpatched[p13.BACKEND_REL]
+    for edit in reversed(p12.EDITS):
+        without_p12 = without_p12.replace(edit.replacement, edit.anchor)
+    assert p12.MARKER not in without_p12
+    backend.write_text(without_p12)
+    with pytest.raises(_patchlib.PatchError, match="p12"):
+        p13.apply()
+    assert backend.read_text() == without_p12 and hook.read_text() == unpatched[p13.MODEL_HOOK_REL]
