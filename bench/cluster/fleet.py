@@ -6,6 +6,11 @@ available at its start minus a 10 GiB reserve, so they must start before the oth
 that memory), then every other server at once; then the routers, each waited for until it lists
 its N workers healthy. Everything is stopped by PID (an `ExitStack`), also on failure.
 
+A `KIND:cache_aware+events` system's servers run in SGLang's SMG gRPC mode with KV events
+(`bench.cluster.smg_grpc.GrpcServerProcess`: worker URL `grpc://...`, `/metrics` on SGLang's HTTP
+sidecar, health by the gRPC health service) and its router gets `--tokenizer-path` the model
+directory (in gRPC mode smg tokenizes and applies the chat template itself).
+
 Router figures (`RouterSnapshot`): per-worker request counts (`smg_worker_requests_total`) and the
 router-side TTFT histogram (`smg_router_ttft_seconds`, buckets summed over label sets; smg 1.13.0 does
 not expose it in HTTP mode) and its request-duration histogram (`smg_router_request_duration_seconds`,
@@ -22,10 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from bench.cluster.systems import FleetSystem, server_launch
+from bench.cluster.systems import PAGE_TOKENS, FleetSystem, server_launch
 from hiradix.testing.mooncake import MooncakeCluster
 from hiradix.testing.router import RouterProcess
 from hiradix.testing.server import ServerProcess, stop_all
+from bench.cluster.smg_grpc import GrpcServerProcess
 
 logger = logging.getLogger("bench.cluster.fleet")
 ROUTER_TTFT = "smg_router_ttft_seconds"  # not exposed by smg 1.13.0 in HTTP (regular-worker) mode
@@ -86,6 +92,18 @@ def router_snapshot(router: RouterProcess) -> RouterSnapshot:
     return snap
 
 
+def router_args(system: FleetSystem, settings: FleetSettings) -> list[str]:
+    """More `smg launch` flags of `system`'s router: `--router-args`, and for an events system the
+    tokenizer (gRPC workers get token ids from the router) and the KV block size (the page size)."""
+    args = list(settings.router_args)
+    if system.events:
+        if "--tokenizer-path" not in args and "--model-path" not in args:
+            args += ["--tokenizer-path", str(settings.model_path)]
+        if "--block-size" not in args:
+            args += ["--block-size", str(PAGE_TOKENS)]
+    return args
+
+
 def _make_fleet(stack: contextlib.ExitStack, system: FleetSystem, settings: FleetSettings) -> Fleet:
     fleet_dir = settings.run_dir / "fleets" / system.slug
     fleet_dir.mkdir(parents=True, exist_ok=True)
@@ -98,8 +116,9 @@ def _make_fleet(stack: contextlib.ExitStack, system: FleetSystem, settings: Flee
     for i in range(settings.servers_per_system):
         args, env = server_launch(system, store.config() if store else None, settings.model_path,
                                   settings.max_total_tokens, settings.dram_ratio, fleet_dir, i)  # fmt: skip
-        server = ServerProcess(str(settings.model_path), extra_args=args, env=env,
-                               log_path=fleet_dir / f"server-{i}.log", startup_timeout_s=settings.startup_timeout_s)
+        server_class = GrpcServerProcess if system.events else ServerProcess
+        server = server_class(str(settings.model_path), extra_args=args, env=env,
+                              log_path=fleet_dir / f"server-{i}.log", startup_timeout_s=settings.startup_timeout_s)
         servers.append(server)
     logger.info("[%s] %d servers: %s", system.name, len(servers), " ".join(servers[0].extra_args))
     return Fleet(system, servers, None, store)
@@ -130,7 +149,7 @@ def start_fleets(stack: contextlib.ExitStack, systems: Sequence[FleetSystem], se
     for fleet in fleets:
         router = RouterProcess(settings.run_dir / "fleets" / fleet.system.slug / "router.log",
                                worker_urls=[s.base_url for s in fleet.servers], policy=fleet.system.policy,
-                               extra_args=settings.router_args)  # fmt: skip
+                               extra_args=router_args(fleet.system, settings))  # fmt: skip
         stack.callback(router.stop)
         fleet.router = router.start(timeout_s=settings.startup_timeout_s)
         logger.info("[%s] router %s (%s) lists %d workers", fleet.system.name, router.base_url,

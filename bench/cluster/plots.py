@@ -36,9 +36,12 @@ def plot_hits(report: dict, png_path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(7, 1.4 * len(systems)), 4.5))
     bottom = np.zeros(len(systems))
     for tier in TIERS:
-        vals = np.array([100 * s["tier_share"][tier] for s in systems])
+        vals = np.nan_to_num(np.array([100 * s["tier_share"][tier] for s in systems]))
         ax.bar(x, vals, bottom=bottom, label=TIER_LABELS[tier])
         bottom += vals
+    unsplit = np.array([100 * s["hit_share"] if np.isnan(s["tier_share"]["device"]) else 0.0 for s in systems])
+    if unsplit.any():  # smg's gRPC mode reports cached tokens without their tiers
+        ax.bar(x, unsplit, bottom=bottom, color="grey", label="tier not reported")
     ax.scatter(x, [100 * s["ideal_share"] for s in systems], marker="_", s=700, color="black", label="ideal", zorder=3)
     ax.set(ylabel="hit tokens, % of prompt tokens", title="Prefix-cache hits by tier, behind SGLang's router")
     ax.set_xticks(x, _labels(report), fontsize=8)

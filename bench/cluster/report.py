@@ -132,6 +132,8 @@ def system_summary(name: str, results: Sequence, urls: Sequence[str], reference:
     tiers = {"device": _sum(ok, "cached_device_tokens"), "host": _sum(ok, "cached_host_tokens"),
              "nvme": _sum(ok, "cached_nvme_tokens"), "store": _sum(ok, "cached_store_tokens")}  # fmt: skip
     share = (lambda n: n / prompt) if prompt else (lambda n: math.nan)
+    # no request said where its hits came from (smg's gRPC mode relays cached_tokens only): no tier shares
+    split = any(r.cached_device_tokens is not None for r in ok)
     mine, ref = later_ttfts(records), later_ttfts(reference)
     ttft = {}
     for k, q in QUANTILES.items():
@@ -142,11 +144,13 @@ def system_summary(name: str, results: Sequence, urls: Sequence[str], reference:
     mean = sum(counts) / len(counts) if counts else math.nan
     same, compared = identical_fraction(reference, records)
     ideal = _sum(ok, "ideal_cached_tokens")
+    ideal_known = any(r.ideal_cached_tokens is not None for r in ok)  # none without an HTTP server to tokenize
     return {
         "system": name, "requests": len(records), "errors": len(records) - len(ok), "prompt_tokens": prompt,
         "cached_tokens": cached, "tier_tokens": tiers, "hit_share": share(cached),
-        "tier_share": {t: share(n) for t, n in tiers.items()}, "ideal_cached_tokens": ideal,
-        "ideal_share": share(ideal), "prefill_tokens": prompt - cached, "ttft_later_n": len(mine),
+        "tier_share": {t: share(n) if split else math.nan for t, n in tiers.items()}, "ideal_cached_tokens": ideal,
+        "ideal_share": share(ideal) if ideal_known else math.nan, "prefill_tokens": prompt - cached,
+        "ttft_later_n": len(mine),
         "ttft_later": ttft, "server_requests": counts, "routed_requests": sum(counts),
         "imbalance": max(counts) / mean if counts and mean > 0 else math.nan,
         "router_ttft": router_ttft(results, name), "router_duration": router_ttft(results, name, "duration_buckets"),
@@ -217,7 +221,7 @@ def _router_ms(rt: dict) -> str:
 
 def format_report(report: dict) -> str:
     """The per-system table printed at the end of a run, then the targets."""
-    head = (f"{'system':<22} {'req':>4} {'hit%':>5} {'ideal%':>6} {'HBM%':>5} {'DRAM%':>5} {'store%':>6} "
+    head = (f"{'system':<26} {'req':>4} {'hit%':>5} {'ideal%':>6} {'HBM%':>5} {'DRAM%':>5} {'store%':>6} "
             f"{'prefill':>7} {'p50 ms t>=2 [CI]':>17} {'p99 ms t>=2 [CI]':>18} {'p50/ref [CI]':>17} "
             f"{'p99/ref [CI]':>17} {'per server':>12} {'imb':>4} {'router p50/p99':>14} {'dur p50/p99':>11} "
             f"{'same':>7}")  # fmt: skip
@@ -226,13 +230,14 @@ def format_report(report: dict) -> str:
         t, share = s["ttft_later"], s["tier_share"]
         per = "/".join(f"{c:.0f}" for c in s["server_requests"])
         same = "{}/{}".format(*s["identical_to_reference"])
-        lines.append(f"{s['system']:<22} {s['requests']:>4} {_pct(s['hit_share'])} {_pct(s['ideal_share']):>6} "
+        lines.append(f"{s['system']:<26} {s['requests']:>4} {_pct(s['hit_share'])} {_pct(s['ideal_share']):>6} "
                      f"{_pct(share['device'])} {_pct(share['host'])} {_pct(share['store'] + share['nvme']):>6} "
                      f"{s['prefill_tokens']:>7} {_ms(t['p50']):>17} {_ms(t['p99']):>18} {_ratio(t['p50']):>17} "
                      f"{_ratio(t['p99']):>17} {per:>12} {s['imbalance']:>4.2f} {_router_ms(s['router_ttft']):>14} "
                      f"{_router_ms(s.get('router_duration', {'available': False})):>11} {same:>7}")  # fmt: skip
     lines.append(f"hit% = cached / prompt tokens (all turns); ideal% = one infinite cache shared by all servers; "
-                 f"HBM/DRAM/store = where the hits came from; prefill = prompt - cached tokens; t>=2 = turns with a "
+                 f"HBM/DRAM/store = where the hits came from (-: not reported, as in smg's gRPC mode); "
+                 f"prefill = prompt - cached tokens; t>=2 = turns with a "
                  f"history; /ref = ratio of that quantile to {report['reference']}'s (paired session bootstrap); "
                  "per server / imb = the router's requests per worker and max/mean; router = smg_router_ttft_seconds "
                  "p50/p99 ms (n/a: not exposed); dur = smg_router_request_duration_seconds p50/p99 ms (all turns; it ends "

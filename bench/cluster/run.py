@@ -50,6 +50,16 @@ the server, router and store logs and each server's final `/metrics`.
     python -m bench.cluster --servers 2 --second    # N=2, the other policies
     python -m bench.cluster --servers 4             # N=4 (12 servers)
     python -m bench.cluster --quick                 # smoke run: N=2, stock:cache_aware + hiradix:round_robin
+    python -m bench.cluster --servers 2 --systems \
+        stock:cache_aware,stock-aa:cache_aware,hiradix:round_robin,hiradix:cache_aware,hiradix:cache_aware+events
+
+`KIND:cache_aware+events` (issue 34): smg's cache-aware policy fed by the engines' KV events
+(`bench.cluster.systems`, `bench.cluster.smg_grpc`): its servers run in SGLang's SMG gRPC mode (the
+smg-grpc-servicer package must be importable; the run is refused up front otherwise), so its
+warm-up goes through its router (before the router's counters are read), its flush is the router's
+`POST /flush_cache`, its servers' `/metrics` come from SGLang's HTTP sidecar, and its records have
+`cached_tokens` without a tier split or output ids (smg's gRPC responses carry neither; `same`
+compares texts). The ideal is tokenized by an HTTP server (the reference's first).
 """
 
 from __future__ import annotations
@@ -61,6 +71,8 @@ import dataclasses
 import logging
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,7 +90,8 @@ from bench.cluster.systems import (DEFAULT_SYSTEMS, REFERENCE, SECOND_SYSTEMS, S
                                    check_server_budget, parse_systems)
 from bench.common.conversations import Session
 from bench.common.multiturn import WorkloadConfig
-from bench.common.server_metrics import fetch_metrics, parse_snapshot
+from bench.cluster.smg_grpc import fetch_server_metrics, servicer_problem
+from bench.common.server_metrics import parse_snapshot, tier_used_tokens
 
 logger = logging.getLogger("bench.cluster.run")
 
@@ -158,6 +171,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         check_server_budget(args.fleet_systems, args.servers, args.max_servers)
     except ValueError as exc:
         parser.error(str(exc))
+    events = [s.name for s in args.fleet_systems if s.events]
+    if events and servicer_problem():
+        parser.error(f"{', '.join(events)}: {servicer_problem()}")
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     return args
@@ -182,6 +198,9 @@ def run_repeat(fleets: Sequence[cluster_fleet.Fleet], repeat: int, sessions: Seq
     """One repetition on flushed caches: warm up every server (directly, not through its router), then
     the paired rounds through the routers; the routers' counters are read before and after."""
     for fleet in fleets:
+        if fleet.system.events:  # gRPC workers have no HTTP API: through the router, before its counters are read
+            ab.warm_up(fleet.router.base_url, config.workload, config.concurrency * len(fleet.servers))
+            continue
         for server in fleet.servers:
             ab.warm_up(server.base_url, config.workload, config.concurrency)
     before = {f.system.name: cluster_fleet.router_snapshot(f.router) for f in fleets}
@@ -212,7 +231,7 @@ def fleet_admission(fleet: cluster_fleet.Fleet) -> dict:
     a fleet's servers now."""
     total: Counter = Counter()
     for server in fleet.servers:
-        total.update(parse_snapshot(fetch_metrics(server.base_url)).admission)  # update keeps zeros (+ drops them)
+        total.update(parse_snapshot(fetch_server_metrics(server)).admission)  # update keeps zeros (+ drops them)
     return dict(total)
 
 
@@ -223,6 +242,12 @@ def flush_best_effort(fleets: Sequence[cluster_fleet.Fleet], timeout_s: float = 
     or running): its old pages then stay, which no later request can hit (sessions of their own)."""
     refused = []
     for f in fleets:
+        if f.system.events:
+            if not flush_through_router(f, timeout_s):
+                logger.warning("[%s] caches not empty %.0f s after the router's /flush_cache: they keep the last "
+                               "repetition's pages", f.system.name, timeout_s)  # fmt: skip
+                refused.append(f.system.name)
+            continue
         for i, server in enumerate(f.servers):
             label = f"{f.system.name}/{i}"
             try:
@@ -232,6 +257,35 @@ def flush_best_effort(fleets: Sequence[cluster_fleet.Fleet], timeout_s: float = 
                                "pages", label, timeout_s)  # fmt: skip
                 refused.append(label)
     return refused
+
+
+def flush_through_router(fleet: cluster_fleet.Fleet, timeout_s: float, poll_s: float = 0.5) -> bool:
+    """Empty a gRPC fleet's caches: `POST /flush_cache` to its router (smg sends `FlushCache` to every
+    worker), retried until it answers 200 and every server's hiradix tier gauges (its sidecar's
+    `/metrics`) read 0; False if not so within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            request = urllib.request.Request(fleet.router.base_url + "/flush_cache", method="POST")
+            with urllib.request.urlopen(request, timeout=30) as resp:
+                flushed = resp.status == 200
+        except (urllib.error.URLError, OSError):
+            flushed = False
+        if flushed and all(tier_used_tokens(fetch_server_metrics(s)) == 0 for s in fleet.servers):
+            logger.info("[%s] caches flushed (through the router)", fleet.system.name)
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+
+
+def http_server_url(fleets: Sequence[cluster_fleet.Fleet], first: str) -> Optional[str]:
+    """The base URL of an HTTP server (`/tokenize`), of fleet `first` if it has one; None if every
+    fleet runs in gRPC mode."""
+    for f in sorted(fleets, key=lambda f: f.system.name != first):
+        if not f.system.events:
+            return f.servers[0].base_url
+    return None
 
 
 def fill_ideal(records: list[ClusterRecord], reference: str, sessions_by_repeat: list, tokenize_url: str) -> int:
@@ -280,14 +334,18 @@ def run_all(args: argparse.Namespace, by_repeat: list, run_dir: Path) -> tuple[l
             logger.info("repeat %d done after %.0f s", repeat, time.perf_counter() - t0)
         names = [f.system.name for f in fleets]
         reference = REFERENCE if REFERENCE in names else names[0]
-        ref_fleet = fleets[names.index(reference)]
-        info["longest_prompt_tokens"] = fill_ideal([r for res in results for r in res.records], reference, by_repeat,
-                                                   ref_fleet.servers[0].base_url)  # fmt: skip
+        tokenize_url = http_server_url(fleets, reference)
+        if tokenize_url is None:
+            logger.warning("no HTTP server to tokenize with (every fleet in gRPC mode): no ideal hits")
+        else:
+            info["longest_prompt_tokens"] = fill_ideal([r for res in results for r in res.records], reference,
+                                                       by_repeat, tokenize_url)  # fmt: skip
         info["store_keys"] = {f.system.name: f.store.key_count() for f in fleets if f.store is not None}
         info["worker_urls"] = {f.system.name: [s.base_url for s in f.servers] for f in fleets}
         for f in fleets:
             for i, server in enumerate(f.servers):
-                (run_dir / "fleets" / f.system.slug / f"server-{i}.metrics.txt").write_text(fetch_metrics(server.base_url))
+                metrics = fetch_server_metrics(server)
+                (run_dir / "fleets" / f.system.slug / f"server-{i}.metrics.txt").write_text(metrics)
             (run_dir / "fleets" / f.system.slug / "router.metrics.txt").write_text(f.router.metrics_text())
     return results, info
 

@@ -11,7 +11,14 @@ A system is written `KIND:POLICY` (`--systems stock:cache_aware,hiradix:round_ro
                       same DRAM bytes as hiradix's (`bench.ab.systems.with_tier_sizes`)
             KIND-aa   a second fleet of KIND (the A/A control; `stock-aa:cache_aware` by default)
     POLICY  an `smg launch --policy` name (round_robin, cache_aware, power_of_two, least_load, random,
-            consistent_hashing, prefix_hash)
+            consistent_hashing, prefix_hash); `cache_aware+events`: smg's cache-aware policy on the
+            engines' KV events instead of its approximate tree: the servers run in SGLang's SMG gRPC
+            mode with `--kv-events-config` (`bench.cluster.smg_grpc`; needs the smg-grpc-servicer
+            package) behind `grpc://` worker URLs, and smg subscribes to each one's events
+            (`SubscribeKvEvents`). hiradix publishes every tier's pages (HBM GPU, DRAM CPU_PINNED,
+            store EXTERNAL); smg routes by its index of them. In this mode smg tokenizes and
+            applies the chat template itself, and the responses carry `cached_tokens` only (no
+            per-tier split, no output ids), so such a system's tier columns and `same` are empty.
 
 Every server of every system: the same model, `--max-total-tokens` (the HBM pool), `--page-size 16`,
 `--served-model-name default` (the router picks workers by model id), `--sleep-on-idle`.
@@ -38,6 +45,8 @@ POLICIES = ("round_robin", "cache_aware", "power_of_two", "least_load", "random"
 LOAD_ONLY_POLICIES = ("round_robin", "power_of_two", "least_load", "random")  # placement ignores prefixes
 REFERENCE = "stock:cache_aware"  # what SGLang users run today: the ratios' denominator
 AA_SUFFIX = "-aa"
+EVENTS_SUFFIX = "+events"  # POLICY suffix: smg routes on the engines' KV events (gRPC mode)
+EVENTS_POLICIES = ("cache_aware",)  # the smg policy that reads the event-driven KV index
 
 # N=2: 6 systems x 2 servers = 12 (the most this machine holds); N=4: 3 x 4 = 12.
 DEFAULT_SYSTEMS = {
@@ -57,10 +66,11 @@ class FleetSystem:
 
     kind: str
     policy: str
+    events: bool = False  # servers in SGLang's SMG gRPC mode publishing KV events, smg consuming them
 
     @property
     def name(self) -> str:
-        return f"{self.kind}:{self.policy}"
+        return f"{self.kind}:{self.policy}" + (EVENTS_SUFFIX if self.events else "")
 
     @property
     def base_kind(self) -> str:
@@ -77,7 +87,7 @@ class FleetSystem:
 
     @property
     def slug(self) -> str:
-        """A directory name: `hiradix-round_robin`."""
+        """A directory name: `hiradix-round_robin` (`hiradix-cache_aware-events`)."""
         return re.sub(r"[^A-Za-z0-9_.-]", "-", self.name)
 
 
@@ -93,11 +103,20 @@ def parse_systems(text: str) -> list[FleetSystem]:
         base = kind[: -len(AA_SUFFIX)] if kind.endswith(AA_SUFFIX) else kind
         if not sep or base not in KINDS:
             raise ValueError(f"system {item!r}: want KIND:POLICY with KIND from {', '.join(KINDS)} (or KIND-aa)")
+        events = policy.endswith(EVENTS_SUFFIX)
+        if events:
+            policy = policy[: -len(EVENTS_SUFFIX)]
+            if policy not in EVENTS_POLICIES:
+                raise ValueError(f"system {item!r}: {EVENTS_SUFFIX} goes with {' or '.join(EVENTS_POLICIES)} "
+                                 f"(the smg policy that routes by the KV event index), not {policy!r}")
+            if base == "hicache":
+                raise ValueError(f"system {item!r}: {EVENTS_SUFFIX} is for stock and hiradix servers (HiCache's "
+                                 "host pool is sized at its start, before the gRPC servers'; not wired here)")
         if policy not in POLICIES:
             raise ValueError(f"system {item!r}: unknown router policy {policy!r}; known: {', '.join(POLICIES)}")
-        systems.append(FleetSystem(kind, policy))
+        systems.append(FleetSystem(kind, policy, events))
     if not systems or len({s.name for s in systems}) != len(systems):
-        raise ValueError(f"--systems wants distinct KIND:POLICY items, got {text!r}")
+        raise ValueError(f"--systems wants distinct KIND:POLICY[{EVENTS_SUFFIX}] items, got {text!r}")
     return systems
 
 

@@ -2,8 +2,10 @@
 
 Fast tests check the systems and their flags, the server budget, the skewed sessions, the `ideal`
 hits, the storage split, the paired quantile ratio, the report, the targets and the files on
-hand-made records; the `e2e` test runs `--quick` for real (stock:cache_aware and hiradix:round_robin,
-two tiny-model servers each behind its own `smg` router, hiradix's Mooncake Store on loopback; ~1.5 min).
+hand-made records; the `e2e` tests run `--quick` for real (stock:cache_aware and hiradix:round_robin,
+two tiny-model servers each behind its own `smg` router, hiradix's Mooncake Store on loopback; ~1.5 min;
+and hiradix:cache_aware+events alone, its two servers in SGLang's SMG gRPC mode, ~30 s, skipped
+without the smg-grpc-servicer package).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # bench/ is a plain directory at the repo root
@@ -25,7 +28,9 @@ from bench.cluster import fleet as cluster_fleet  # noqa: E402
 from bench.cluster import report as cluster_report  # noqa: E402
 from bench.cluster import run as cluster  # noqa: E402
 from bench.cluster import systems as cluster_systems  # noqa: E402
+from bench.cluster import smg_grpc  # noqa: E402
 from bench.cluster import workload as cluster_workload  # noqa: E402
+from bench.common import server_metrics  # noqa: E402
 from hiradix.testing import zygote  # noqa: E402
 from hiradix.testing.mooncake import MooncakeCluster  # noqa: E402
 from tests.helpers.store import requires_mooncake  # noqa: E402
@@ -42,6 +47,70 @@ def test_systems_parse_kind_and_policy_and_refuse_unknown_ones():
     for bad in ("vllm:round_robin", "stock:fastest", "stock", "stock:cache_aware,stock:cache_aware", ""):
         with pytest.raises(ValueError):
             cluster_systems.parse_systems(bad)
+
+
+def test_events_systems_parse_with_their_policy_and_refuse_other_policies_and_hicache():
+    systems = cluster_systems.parse_systems("hiradix:cache_aware,hiradix:cache_aware+events,"
+                                            "stock-aa:cache_aware+events")
+    assert [s.name for s in systems] == ["hiradix:cache_aware", "hiradix:cache_aware+events",
+                                         "stock-aa:cache_aware+events"]
+    assert [(s.policy, s.events) for s in systems] == [("cache_aware", False), ("cache_aware", True),
+                                                      ("cache_aware", True)]
+    assert systems[1].slug == "hiradix-cache_aware-events" and systems[1].has_store and systems[2].is_aa
+    for bad, why in (("hiradix:round_robin+events", "goes with cache_aware"),
+                     ("hicache:cache_aware+events", "stock and hiradix"), ("hiradix:+events", "goes with"),
+                     ("hiradix:cache_aware+events,hiradix:cache_aware+events", "distinct")):
+        with pytest.raises(ValueError, match=why):
+            cluster_systems.parse_systems(bad)
+
+
+def test_an_events_system_runs_grpc_servers_with_kv_events_and_a_router_with_the_tokenizer(tmp_path, monkeypatch):
+    events, plain = cluster_systems.parse_systems("hiradix:cache_aware+events,hiradix:cache_aware")
+    settings = cluster_fleet.FleetSettings(tmp_path / "m", 2, 1024, 2.0, 16 << 20, tmp_path, 60.0,
+                                           ("--log-level", "warn"))
+    assert cluster_fleet.router_args(plain, settings) == ["--log-level", "warn"]
+    assert cluster_fleet.router_args(events, settings) == ["--log-level", "warn", "--tokenizer-path",
+                                                           str(tmp_path / "m"), "--block-size", "16"]
+    server = smg_grpc.GrpcServerProcess(tmp_path / "m", extra_args=["--enable-hiradix"], log_path=tmp_path / "s.log")
+    cmd = server.command()
+    assert "--smg-grpc-mode" in cmd and cmd[cmd.index("--smg-http-sidecar-port") + 1] == str(server.sidecar_port)
+    config = json.loads(cmd[cmd.index("--kv-events-config") + 1])
+    assert config == {"publisher": "zmq", "endpoint": server.kv_events_endpoint, "bind": True, "topic": "",
+                      "replay_endpoint": server.kv_replay_endpoint}  # a loopback address is bound only with "bind"
+    assert server.base_url == f"grpc://127.0.0.1:{server.port}"
+    assert smg_grpc.metrics_url(server) == f"http://127.0.0.1:{server.sidecar_port}"
+    assert len({server.port, server.sidecar_port, server.kv_events_port, server.kv_replay_port}) == 4
+    with pytest.raises(ValueError, match="--kv-events-config"):
+        smg_grpc.GrpcServerProcess(tmp_path / "m", extra_args=["--kv-events-config", "{}"])
+    # the sidecar's OpenMetrics names (sglang_...) read back as SGLang's HTTP server writes them
+    open_metrics = ("# HELP sglang:hiradix_tier_used_tokens Tokens\n# TYPE sglang:hiradix_tier_used_tokens gauge\n"
+                    'sglang_hiradix_tier_used_tokens{tier="HBM"} 32.0\n# HELP sglang:hiradix_held_requests Held\n'
+                    "# TYPE sglang:hiradix_held_requests counter\nsglang_hiradix_held_requests_total 3.0\n"
+                    "sglang_hiradix_held_requests_created 1.7e9\n# EOF\n")  # fmt: skip
+    text = smg_grpc.prometheus_names(open_metrics)
+    assert 'sglang:hiradix_tier_used_tokens{tier="HBM"} 32.0' in text
+    assert "sglang:hiradix_held_requests_total 3.0" in text
+    assert server_metrics.tier_used_tokens(text) == 32.0 and server_metrics.tier_used_tokens(open_metrics) == 0
+    # a run with an events system is refused up front when the servicer package is missing
+    monkeypatch.setattr(cluster, "servicer_problem", lambda: "pip install smg-grpc-servicer==0.14.1")
+    with pytest.raises(SystemExit):
+        cluster.parse_args(["--systems", "stock:cache_aware,hiradix:cache_aware+events"])
+    cluster.parse_args(["--systems", "stock:cache_aware,hiradix:cache_aware"])
+
+
+def test_the_ideal_is_tokenized_by_an_http_server_the_reference_first():
+    class Server:
+        def __init__(self, url):
+            self.base_url = url
+
+    def fleet(name, url):
+        return cluster_fleet.Fleet(cluster_systems.parse_systems(name)[0], [Server(url)])
+
+    events, stock, hiradix = (fleet("hiradix:cache_aware+events", "grpc://e"), fleet("stock:cache_aware", "http://s"),
+                              fleet("hiradix:round_robin", "http://h"))  # fmt: skip
+    assert cluster.http_server_url([events, hiradix, stock], "stock:cache_aware") == "http://s"
+    assert cluster.http_server_url([events, hiradix], "hiradix:cache_aware+events") == "http://h"
+    assert cluster.http_server_url([events], "hiradix:cache_aware+events") is None
 
 
 def test_a_run_over_the_server_budget_is_refused_before_anything_starts():
@@ -191,6 +260,22 @@ def test_report_figures_per_system_and_targets():
     assert hiradix["admission_per_request"] is None  # no /metrics counters recorded
 
 
+def test_a_system_whose_responses_name_no_tiers_gets_no_tier_shares():
+    results = _results()
+    for r in results[0].records:
+        if r.system == "hiradix:round_robin":  # as smg's gRPC mode answers: cached_tokens only
+            r.cached_device_tokens = r.cached_host_tokens = r.cached_storage_tokens = None
+            r.cached_nvme_tokens = r.cached_store_tokens = None
+    report = cluster_report.build_report(results, list(URLS), URLS)
+    by = {s["system"]: s for s in report["systems"]}
+    assert by["hiradix:round_robin"]["cached_tokens"] == 384
+    assert all(math.isnan(v) for v in by["hiradix:round_robin"]["tier_share"].values())
+    assert by["stock:cache_aware"]["tier_share"]["device"] == pytest.approx(256 / 600)
+    row = next(line for line in cluster_report.format_report(report).splitlines()
+               if line.startswith("hiradix:round_robin"))
+    assert row.split()[2:7] == ["64.0", "64.0", "-", "-", "-"]  # hit%, ideal%, then no HBM/DRAM/store
+
+
 def test_report_splits_arrival_to_admission_by_cause_per_system():
     results = _results()
     results[0].admission = {"hiradix:round_robin": {"queue_s": 0.8, "queued_requests": 8, "held_requests": 2,
@@ -275,3 +360,42 @@ def test_e2e_quick_run_through_the_router_hits_the_store_when_turns_move(tiny_mo
     assert (tmp_path / "cluster_hits.png").stat().st_size > 10_000
     assert (tmp_path / "fleets" / "hiradix-round_robin" / "router.log").stat().st_size > 0
     assert "a smoke run" in capsys.readouterr().out
+
+
+@pytest.mark.e2e
+@requires_mooncake
+@pytest.mark.skipif(smg_grpc.servicer_problem() is not None, reason=str(smg_grpc.servicer_problem()))
+@pytest.mark.timeout(600)
+def test_e2e_quick_run_with_smg_routing_on_hiradix_kv_events(tiny_model, tmp_path):
+    """hiradix:cache_aware+events (~30 s): two hiradix servers in SGLang's SMG gRPC mode publishing
+    their KV events, smg consuming them; every later turn goes to the server that holds its history."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert cluster.main(["--quick", "--systems", "hiradix:cache_aware+events", "--source", "synthetic",
+                         "--model", str(tiny_model), "--out-dir", str(tmp_path)]) == 0  # fmt: skip
+    harness = before | zygote.pids()
+    left = [p for p in psutil.Process().children(recursive=True)
+            if p.pid not in harness and not any(parent.pid in harness for parent in p.parents())]
+    assert left == [], [(p.pid, p.ppid(), " ".join(p.cmdline())[:200]) for p in left]
+    rows = json.loads((tmp_path / "records.json").read_text())
+    assert len(rows) == 9 and all(r["error"] is None for r in rows)
+    by = {(r["session_index"], r["turn_index"]): r for r in rows}
+    for (s, t), r in by.items():  # each later turn hit the whole pages of the turn before it
+        if t:
+            assert r["cached_tokens"] >= by[(s, t - 1)]["prompt_tokens"] // 16 * 16, r
+    fleet = tmp_path / "fleets" / "hiradix-cache_aware-events"
+    router = {}
+    for family in text_string_to_metric_families((fleet / "router.metrics.txt").read_text()):
+        for sample in family.samples:
+            router.setdefault(sample.name, []).append((sample.labels, sample.value))
+    applied = {labels["worker"]: v for labels, v in router["smg_kv_event_batches_total"]
+               if labels["disposition"] == "applied"}  # fmt: skip
+    assert len(applied) == 2 and all(v > 0 for v in applied.values())  # both servers' events reached the index
+    assert sum(v for _, v in router["smg_kv_index_blocks"]) > 0
+    assert all(v == 0 for _, v in router.get("smg_kv_events_unavailable", []))
+    # routed by the events, no turn had to fetch its history from the store on another server
+    gets = 0.0
+    for i in range(2):
+        for family in text_string_to_metric_families((fleet / f"server-{i}.metrics.txt").read_text()):
+            gets += sum(s.value for s in family.samples
+                        if s.name == "sglang:hiradix_store_pages_total" and s.labels.get("op") == "get")
+    assert gets == 0
