@@ -35,6 +35,7 @@ from hiradix.core.lookahead import QueuedKey, QueueView
 from hiradix.dataplane.device_copy import copy_token_rows
 from hiradix.sglang_plugin.device_pool import SGLangDevicePool
 from hiradix.sglang_plugin.kv_events import attach_events
+from hiradix.sglang_plugin.sessions import StreamingSessions
 from hiradix.sglang_plugin.storage_hits import note_storage_hits
 from hiradix.core.policy import make_policy
 from hiradix.core.prefix_cache import TieredPrefixCache
@@ -74,8 +75,9 @@ def request_key(req: Req, page_size: int) -> tuple[Sequence[int], Optional[tuple
     return key.raw_token_ids(), namespace_of(key)
 
 
-class TieredRadixCache(BasePrefixCache):
+class TieredRadixCache(StreamingSessions, BasePrefixCache):
     """Prefix cache whose radix-tree nodes record their tier (HBM, DRAM, NVMe).
+    Streaming sessions: :class:`~hiradix.sglang_plugin.sessions.StreamingSessions`.
 
     Args:
         params: SGLang's ``CacheInitParams`` (pools, allocator, ``page_size`` in tokens).
@@ -119,6 +121,7 @@ class TieredRadixCache(BasePrefixCache):
             on_evict=self.update_eviction_metrics, partial_pages=partial_pages,
             copy_rows=(lambda src, dst: copy_token_rows(kv_pool, src, dst)) if kv_pool is not None else None,
         )
+        self.init_sessions()
         self.overflow = None  # hiradix.sglang_plugin.overflow.ContextOverflow (--hiradix-context-overflow)
         self.stop_signal = None  # hiradix.sglang_plugin.stop.SchedulerStop (SIGTERM drains the tier writes)
         self.tier_metrics = None
@@ -158,8 +161,9 @@ class TieredRadixCache(BasePrefixCache):
         return node is self.tree.root
 
     def reset(self) -> None:
-        """Forget every node (SGLang's ``flush_cache`` resets the device allocator itself)."""
+        """Forget every node and session record (SGLang's ``flush_cache`` resets the pools itself)."""
         self.core.reset()
+        self.init_sessions()
 
     def release_host_resources(self) -> None:
         """Graceful shutdown: let the NVMe and store writes in flight land (at most
@@ -179,8 +183,12 @@ class TieredRadixCache(BasePrefixCache):
         ``last_device_node``, valid while it is locked); ``host_hit_length`` counts the
         following tokens in DRAM, loadable by :meth:`init_load_back` up to
         ``best_match_node``. Tokens only on NVMe start a read into DRAM (prefetch); the
-        request waits for it at admission (:meth:`should_wait`) up to the load timeout.
+        request waits for it at admission (:meth:`should_wait`) up to the load timeout. A turn of
+        a streaming session borrows its session's row instead (:meth:`session_match`).
         """
+        session_turn = self.session_match(params)
+        if session_turn is not None:
+            return session_turn
         key = params.key.page_aligned(self.page_size)
         if len(key) == 0:  # less than a page: only a partial page can hit
             root = self.tree.root
@@ -237,8 +245,9 @@ class TieredRadixCache(BasePrefixCache):
 
     def should_wait(self, req: Req) -> bool:
         """Whether admission should skip ``req`` for now (its NVMe reads are in flight); reuses the
-        request's key and last peek (the look-ahead's, ``_queued_key``)."""
-        return self.core.should_wait(self._queued_key(req))
+        request's key and last peek (the look-ahead's, ``_queued_key``); never a streaming
+        session's turn, which runs on its session's row."""
+        return not self.lends_record(req) and self.core.should_wait(self._queued_key(req))
 
     def init_load_back(self, params: InitLoadBackParams) -> Optional[tuple[int, Any]]:
         """Promote the DRAM part of a match into new HBM slots (layer by layer, all or none).
@@ -312,8 +321,9 @@ class TieredRadixCache(BasePrefixCache):
         if len(key):
             self.tree.touch(key.raw_token_ids(), namespace_of(key))
 
-    def checkpoint(self, req: Req, *, up_to: int, **kwargs) -> None:
-        """Insert ``req``'s KV up to row position ``up_to`` (whole pages) into the tree.
+    def checkpoint_into_tree(self, req: Req, *, up_to: int, **kwargs) -> None:
+        """Insert ``req``'s KV up to row position ``up_to`` (whole pages) into the tree
+        (SGLang's ``checkpoint``, less a streaming session's turns: :class:`StreamingSessions`).
 
         Frees the request's duplicate slots of tokens the tree already held in HBM, repoints
         the request's row onto the tree's slots, moves the request's lock to the new last

@@ -192,6 +192,7 @@ def after_from_cli_args(result: Any, cls: type, namespace: argparse.Namespace) -
                f"{kv_dtype} is already quantized: use --hiradix-cold-format exact")
     if config.context_overflow != "off":
         refuse_context_overflow_with_pd(result)
+        refuse_context_overflow_with_sessions(result)
         problem = hooks.install_launcher(OVERFLOW_LAUNCHER_HOOKS)
         if problem:
             refuse(f"--hiradix-context-overflow {config.context_overflow}: {problem}")
@@ -233,6 +234,14 @@ def refuse_context_overflow_with_pd(server_args: Any) -> None:
         refuse(f"--hiradix-context-overflow cannot be combined with --disaggregation-mode {mode} (the prefill and "
                "decode servers would each cut the prompt, against different trees); serve long conversations "
                "from a server without PD disaggregation")
+
+
+def refuse_context_overflow_with_sessions(server_args: Any) -> None:
+    """A streaming session's next turn runs on the KV its session kept, which a cut prompt no longer matches."""
+    if getattr(server_args, "enable_streaming_session", False):
+        refuse("--hiradix-context-overflow cannot be combined with --enable-streaming-session (a session's next "
+               "turn reuses the KV its session kept, which a cut prompt no longer matches); serve streaming "
+               "sessions with --hiradix-context-overflow off (SGLang aborts a turn that overflows the context)")
 
 
 def _declared_by(server_args: Any, field: str) -> str | None:

@@ -246,6 +246,14 @@ HOOKS: tuple[HookSpec, ...] = (
         "instead of killing them (--hiradix-stop-timeout-s)",
     ),
     HookSpec(
+        target="sglang.srt.mem_cache.kv_cache_builder.create_tree_cache",
+        hook="hiradix.sglang_plugin.sessions:around_create_tree_cache",
+        hook_type="around",
+        scope=Scope.SCHEDULER,
+        purpose="serve --enable-streaming-session on hiradix's tree (SGLang's create_tree_cache accepts it "
+        "with its UnifiedRadixCache only, an isinstance check; hiradix's cache runs SGLang's StreamingSession)",
+    ),
+    HookSpec(
         target="sglang.srt.managers.tp_worker.TpModelWorker.get_worker_info",
         hook="hiradix.sglang_plugin.admission:after_get_worker_info",
         hook_type="after",

@@ -83,12 +83,9 @@ CONFLICTS: tuple[_Conflict, ...] = (
               "pipeline parallelism is not supported: the per-step hooks follow "
               "the non-PP scheduler loop (a PP stage holds only its layers' KV); use --tp-size, or "
               "SGLang's HiCache (--enable-hierarchical-cache)"),
-    # SGLang 0.5.23's cache factory (mem_cache/registry.py, create_tree_cache) raises for these with any
+    # SGLang 0.5.23's cache factory (mem_cache/registry.py, create_tree_cache) raises for this with any
     # tree but its UnifiedRadixCache, in the scheduler, after the model loaded: refused here instead.
-    _Conflict("enable_streaming_session", bool, lambda v: "--enable-streaming-session",
-              "streaming sessions are not served yet: SGLang 0.5.23 runs them on its UnifiedRadixCache only "
-              "and would stop the scheduler after the model loads; serve them without --enable-hiradix, or send "
-              "a conversation's turns as ordinary requests (hiradix caches their shared prefix in every tier)"),
+    # (--enable-streaming-session is served: hiradix.sglang_plugin.sessions.)
     _Conflict("enable_session_radix_cache", bool, lambda v: "--enable-session-radix-cache",
               "SGLang 0.5.23 keeps session radix caches in its UnifiedRadixCache only; drop the flag (hiradix's "
               "tree keeps every conversation's prefix)"),

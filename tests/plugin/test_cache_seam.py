@@ -64,7 +64,7 @@ class Seam:
         return types.SimpleNamespace(
             full_untruncated_fill_ids=list(tokens), origin_input_ids=list(tokens), output_ids=[],
             extra_key=extra_key, cache_salt=cache_salt, kv=kv, lock=None, last_node=self.cache.root_node,
-            storage_hit_length=0, storage_hit_start=None, slots=slots,
+            storage_hit_length=0, storage_hit_start=None, slots=slots, session=None,
         )
 
     def row(self, req, n: int) -> list[int]:

@@ -216,10 +216,11 @@ REFUSALS = [
                              '{"master_server_address": "127.0.0.1:1"}', "--hiradix-nvme-path", "/tmp", "--hiradix-nvme-gb", "1"],
      ["--hiradix-nvme-path and --hiradix-nvme-gb do not apply with --disaggregation-mode decode"]),
     ("pipeline-parallel", ["--pp-size", "2"], ["--pp-size 2", "use --tp-size"]),
-    # issue 36: SGLang's cache factory raises for these after the model loaded (UnifiedRadixCache only)
-    ("streaming-session", ["--enable-streaming-session"],
-     ["--enable-streaming-session", "UnifiedRadixCache", "serve them without --enable-hiradix"]),
+    # issue 36: SGLang's cache factory raises for this after the model loaded (UnifiedRadixCache only)
     ("session-radix-cache", ["--enable-session-radix-cache"], ["--enable-session-radix-cache", "drop the flag"]),
+    # issue 36: streaming sessions are served, but a cut prompt would not match the KV a session kept
+    ("overflow-with-streaming-session", ["--enable-streaming-session", "--hiradix-context-overflow", "shift"],
+     ["--hiradix-context-overflow cannot be combined with --enable-streaming-session"]),
     ("eviction-policy-tlru", ["--radix-eviction-policy", "tlru"],
      ["--radix-eviction-policy tlru", "use --hiradix-policy"]),
     ("eviction-policy-lfu", ["--radix-eviction-policy", "lfu"], ["--radix-eviction-policy lfu", "use --hiradix-policy"]),
@@ -243,8 +244,7 @@ REFUSALS = [
 # Rows of REFUSALS that also go through a real launcher process: one SGLang conflict, one
 # hiradix value error, one machine check. The wiring (plugin loaded, hooks applied, exit status
 # 2 before any model loads) is the same for every row; the rows' messages are checked in-process.
-LAUNCHER_REFUSALS = ("hierarchical-cache", "nvme-gb-without-path", "dram-over-ram", "streaming-session",
-                     "eviction-policy-tlru")
+LAUNCHER_REFUSALS = ("hierarchical-cache", "nvme-gb-without-path", "dram-over-ram", "eviction-policy-tlru")
 
 
 def refused_in_process(argv: list[str], monkeypatch, capsys) -> str:
