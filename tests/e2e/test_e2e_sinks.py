@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, stop_all
-from tests.helpers.e2e import metric, mla_model, run_sessions, tier_hits
+from tests.helpers.e2e import (assert_chats_match_stock_and_hit_hbm_and_dram, assert_log_clean, mla_model,
+                                run_sessions)
 
 pytestmark = pytest.mark.e2e
 
@@ -99,9 +100,7 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def assert_sane(server: ServerProcess) -> str:
-    log = server.log_text()
-    assert "Traceback" not in log and "IntegrityError" not in log, log[-4000:]
-    return log
+    return assert_log_clean(server, "IntegrityError")
 
 
 def test_hf_transformers_loads_the_checkpoint_whole(hf):
@@ -171,16 +170,4 @@ def test_multi_turn_chats_through_hiradix_match_stock_and_hit_from_hbm_and_dram(
     token_ids = lambda s, t: {"return_token_ids": True}  # noqa: E731
     got = {name: run_sessions(servers[name].base_url, SESSIONS, TURNS, WORDS, parallel=SESSIONS, extra_of=token_ids)
            for name in ("full", "hiradix")}  # fmt: skip
-    stock, tiered = got["full"], got["hiradix"]
-    assert min(session[0]["prompt_tokens"] for session in tiered) > WINDOW
-    for s, (g, e) in enumerate(zip(tiered, stock)):
-        assert [r["prompt_ids"] for r in g] == [r["prompt_ids"] for r in e], s
-        assert [r["output_ids"] for r in g] == [r["output_ids"] for r in e], s
-        for r in g[1:]:
-            assert r["cached"] > 0 and r["cached"] == sum(r["details"].get(k, 0) or 0 for k in ("device", "host")), r
-    hits = tier_hits(tiered)
-    assert hits["device"] > 0 and hits["host"] > 0, hits
-    url = servers["hiradix"].base_url
-    for kind in ("BACKUP", "PROMOTE"):  # HBM -> DRAM, then DRAM -> HBM for the turns that hit there
-        assert metric(url, "sglang:hiradix_moved_tokens_total", kind=kind) > 0, kind
-    assert_sane(servers["hiradix"])
+    assert_chats_match_stock_and_hit_hbm_and_dram(got["hiradix"], got["full"], WINDOW, servers["hiradix"])

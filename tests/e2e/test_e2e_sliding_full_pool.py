@@ -34,7 +34,8 @@ from hiradix.sglang_plugin import flags, hooks
 from hiradix.sglang_plugin.model_check import page_bytes_estimate
 from hiradix.sglang_plugin.refusals import HiRadixRefusal
 from hiradix.testing.server import ServerProcess, cpu_args, cpu_env, stop_all
-from tests.helpers.e2e import metric, mla_model, run_sessions, tier_hits
+from tests.helpers.e2e import (assert_chats_match_stock_and_hit_hbm_and_dram, assert_log_clean, mla_model,
+                                run_sessions)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PRESET = "tiny-gemma3"
@@ -74,9 +75,7 @@ def chats(servers) -> dict[str, list[list[dict]]]:
 
 
 def assert_sane(server: ServerProcess) -> str:
-    log = server.log_text()
-    assert "Traceback" not in log and "IntegrityError" not in log, log[-4000:]
-    return log
+    return assert_log_clean(server, "IntegrityError")
 
 
 @pytest.mark.e2e
@@ -102,19 +101,7 @@ def test_sglang_serves_the_sliding_window_model_from_one_full_pool(servers):
 def test_multi_turn_chats_match_stock_token_for_token_and_hit_from_hbm_and_dram(servers, chats):
     """Prompts several windows long; hiradix (HBM far smaller than the histories) gives stock's
     tokens, and later turns hit: in HBM, and histories that went down to DRAM and came back."""
-    stock, got = chats["stock"], chats["hiradix"]
-    assert min(session[0]["prompt_tokens"] for session in got) > WINDOW_TOKENS
-    for s, (g, e) in enumerate(zip(got, stock)):
-        assert [r["prompt_ids"] for r in g] == [r["prompt_ids"] for r in e], s
-        assert [r["output_ids"] for r in g] == [r["output_ids"] for r in e], s
-        for r in g[1:]:
-            assert r["cached"] > 0 and r["cached"] == sum(r["details"].get(k, 0) or 0 for k in ("device", "host")), r
-    hits = tier_hits(got)
-    assert hits["device"] > 0 and hits["host"] > 0, hits
-    url = servers["hiradix"].base_url
-    for kind in ("BACKUP", "PROMOTE"):  # HBM -> DRAM, then DRAM -> HBM for the turns that hit there
-        assert metric(url, "sglang:hiradix_moved_tokens_total", kind=kind) > 0, kind
-    assert_sane(servers["hiradix"])
+    assert_chats_match_stock_and_hit_hbm_and_dram(chats["hiradix"], chats["stock"], WINDOW_TOKENS, servers["hiradix"])
 
 
 def test_a_model_sglang_serves_from_an_swa_pool_is_refused_before_it_loads(tmp_path, monkeypatch, capsys):

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from hiradix.testing.server import ServerProcess, stop_all
-from tests.helpers.e2e import run_sessions, start
+from tests.helpers.e2e import assert_log_clean, run_sessions, start
 
 pytestmark = pytest.mark.e2e
 
@@ -88,9 +88,7 @@ def prompt(seed: int, n: int = PROMPT_TOKENS) -> list[int]:
 
 
 def assert_sane(server: ServerProcess) -> str:
-    log = server.log_text()
-    assert "Traceback" not in log and "IndexError" not in log, log[-4000:]
-    return log
+    return assert_log_clean(server, "IndexError")
 
 
 def test_the_servers_use_the_pools_they_should(servers):

@@ -135,6 +135,32 @@ def tier_hits(results: list[list[dict]]) -> dict[str, int]:
     return out
 
 
+def assert_log_clean(server: ServerProcess, *bad: str) -> str:
+    """The server's log has no traceback and none of `bad`; returns the log."""
+    log = server.log_text()
+    for marker in ("Traceback", *bad):
+        assert marker not in log, log[-4000:]
+    return log
+
+
+def assert_chats_match_stock_and_hit_hbm_and_dram(tiered: list[list[dict]], stock: list[list[dict]],
+                                                  longer_than: int, server: ServerProcess) -> None:
+    """Chats run with `return_token_ids` on a hiradix server whose HBM is far smaller than the
+    histories: stock's prompt and output ids, every later turn hits (in HBM or DRAM, nothing else),
+    both tiers serve hits, and pages went HBM -> DRAM and back. First prompts exceed `longer_than`."""
+    assert min(session[0]["prompt_tokens"] for session in tiered) > longer_than
+    for s, (g, e) in enumerate(zip(tiered, stock)):
+        assert [r["prompt_ids"] for r in g] == [r["prompt_ids"] for r in e], s
+        assert [r["output_ids"] for r in g] == [r["output_ids"] for r in e], s
+        for r in g[1:]:
+            assert r["cached"] > 0 and r["cached"] == sum(r["details"].get(k, 0) or 0 for k in ("device", "host")), r
+    hits = tier_hits(tiered)
+    assert hits["device"] > 0 and hits["host"] > 0, hits
+    for kind in ("BACKUP", "PROMOTE"):  # HBM -> DRAM, then DRAM -> HBM for the turns that hit there
+        assert metric(server.base_url, "sglang:hiradix_moved_tokens_total", kind=kind) > 0, kind
+    assert_log_clean(server, "IntegrityError")
+
+
 def assert_same_outputs(got: list[list[dict]], expected: list[list[dict]]) -> None:
     for s, (g, e) in enumerate(zip(got, expected)):
         assert [r["text"] for r in g] == [r["text"] for r in e], f"session {s} differs"
